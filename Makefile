@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make demo` (the toy runs, plots, one summary table) and `make test`.
+# Both create .venv and install requirements.txt on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# bfcl-eval's own dependency pins (an old numpy, API clients) are not needed: its data and backends are pure Python.
+BFCL := bfcl-eval==2026.3.23
+
+.PHONY: demo test clean
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(BFCL)
+	touch $@
+
+demo: $(VENV)/.installed
+	@$(PY) common.py runs
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,419 @@
+"""Shared pieces of the four algorithm scripts: group advantages, log-prob utilities, plumbing.
+
+Only what two or more scripts use lives here (STYLE.md habit 5). Equations are REFERENCES.md §0:
+
+    group_advantages        A_i = (r_i − mean_g r) / (std_g r + ε)                  §0 "group-relative advantage"
+    zero_variance_fraction  share of groups with std_g r = 0 (A ≡ 0, no policy gradient)
+    token_logprobs          log π(y_t | y_<t) from logits
+    sequence_logprob        log π(y|x) = Σ_t log π(y_t|·)   (optionally ÷ |y|)
+    clipped_policy_loss     −min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A), ρ = exp(logp − old_logp)   §0 "clipped surrogate"
+    kl_penalty              k1 = −d, k2 = d²/2, k3 = e^d − d − 1,  d = log π_ref − log π_θ       §0 "KL to the reference"
+    gaussian_logprob        log N(x; μ, s²I), averaged over the non-batch dims      §1.3
+
+Plumbing: argument parsing from a dataclass with presets, seeding, device, tiny offline models
+(tokenizer + Qwen2 from a config), loading a hub model with a clear offline error, a run logger
+(JSONL, summary.json, PNG curves, tqdm) and atomic checkpoints.
+
+`python common.py` prints the demo table from every runs/*/summary.json (used by `make demo`).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+    """A_i = (r_i − mean_g) / (std_g + ε) over contiguous groups of `group_size` (REFERENCES.md §0).
+
+    rewards: flat (B·G,) tensor, the G samples of one prompt next to each other.
+    scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages match
+    the libraries a reader will compare against; scale="none": Dr. GRPO, A = r − mean_g.
+    A group whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so it
+    carries no policy gradient and never a NaN.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be ≥ 2 for a group-relative advantage, got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf; fix the reward function (no silent NaN advantages)")
+    grouped = rewards.float().view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+    flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(flat, torch.zeros_like(centered), centered).view(-1)
+
+
+def zero_variance_fraction(rewards, group_size):
+    """Share of groups whose G rewards are all equal: those groups give A = 0 (REFERENCES.md §0)."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1).float().mean().item()
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def token_logprobs(logits, labels):
+    """log π(y_t) = logit[y_t] − logsumexp(logits), in fp32, shape (B, T).
+
+    Gathers the label logit and subtracts the log-normaliser instead of building log_softmax: the only
+    (B, T, V) float tensor is the one logsumexp needs (none extra when logits are already fp32).
+    """
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    return picked - torch.logsumexp(logits.float(), dim=-1)
+
+
+def masked_mean(x, mask, dim=None):
+    """Σ x·m / Σ m over `dim` (all elements when None); an all-zero mask gives 0, not NaN."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def sequence_logprob(token_logp, mask, length_normalize=False):
+    """log π(y|x) = Σ_t log π(y_t|x, y_<t) over masked tokens; ÷|y| when length_normalize (FlowRL §2.2)."""
+    total = (token_logp * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if length_normalize else total
+
+
+def gaussian_logprob(x, mean, std):
+    """log N(x; mean, std²·I) per element, **averaged** over all non-batch dims → (B,).
+
+    Averaging (the official Flow-GRPO choice, inherited from DDPO; REFERENCES.md §1.3) makes the ratio a
+    per-dimension geometric mean, so a sensible clip range is tiny (1e-4 for SD3, not 0.2); summing over
+    64×64×16 latent dims gives ratios that overflow (official issue #143).
+    """
+    x, mean = x.float(), mean.float()
+    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
+    per_elem = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * np.log(2 * np.pi)
+    return per_elem.flatten(1).mean(1)
+
+
+def completion_logprobs(model, input_ids, attention_mask):
+    """log π(x_t | x_<t) for t ≥ 1 of padded sequences → (B, T−1); entry t−1 scores token t.
+
+    Position ids follow the attention mask, as `generate` sets them for left-padded prompts, so the
+    log-probs scored here equal the sampler's (ratio = 1 on-policy, REFERENCES.md §0).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+
+
+# ----------------------------------------------------------------------------- the GRPO objective
+
+
+def clipped_policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_high=None,
+                        aggregate="token-mean"):
+    """L = −min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A), ρ = exp(logp − old_logp)  (REFERENCES.md §0).
+
+    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T).
+    aggregate="token-mean": mean over every unmasked token of the batch (verl, DAPO, TRL's default);
+    "seq-mean": mean over each sequence's tokens, then over sequences (the original GRPO).
+    Returns (loss, stats) with the clip fraction, ratio mean/max and approx_kl = mean(old_logp − logp).
+    """
+    if clip_eps <= 0:
+        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    if aggregate == "token-mean":
+        loss = masked_mean(per_token, mask)
+    elif aggregate == "seq-mean":
+        loss = masked_mean(per_token, mask, dim=-1).mean()
+    else:
+        raise ValueError(f"aggregate must be 'token-mean' or 'seq-mean', got {aggregate!r}")
+    with torch.no_grad():
+        m = mask.bool()
+        stats = {
+            "clipfrac": masked_mean((clipped < unclipped).float(), mask).item(),
+            "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
+            "ratio_max": ratio[m].max().item() if m.any() else 1.0,
+            "approx_kl": masked_mean(old_logp - logp, mask).item(),
+        }
+    return loss, stats
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token KL(π_θ‖π_ref) estimate with d = log π_ref − log π_θ (REFERENCES.md §0; Schulman 2020).
+
+    k1 = −d (unbiased, can be negative); k2 = d²/2; k3 = e^d − d − 1 (≥ 0, unbiased under y ~ π_θ).
+    """
+    d = ref_logp - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"kind must be k1, k2 or k3, got {kind!r}")
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(args_cls, presets=None, argv=None):
+    """Build an argparse CLI from a dataclass (one flag per field, its help from metadata["help"]).
+
+    `--preset NAME` first swaps in that preset's defaults (the dataclass defaults are the toy); flags
+    given explicitly still win. Unknown flags and bad types exit with argparse's one-line message.
+    """
+    presets = presets or {}
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="toy", choices=["toy", *presets])
+    known, _ = pre.parse_known_args(argv)
+    defaults = {f.name: f.default for f in dataclasses.fields(args_cls)}
+    defaults.update(presets.get(known.preset, {}))
+
+    parser = argparse.ArgumentParser(description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0])
+    parser.add_argument("--preset", default="toy", choices=["toy", *presets],
+                        help="toy: tiny offline CPU run (default); " + ", ".join(presets) + ": paper-scale")
+    for f in dataclasses.fields(args_cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[f.name], help=help_text)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            parser.add_argument(flag, type=kind, default=defaults[f.name], choices=f.metadata.get("choices"),
+                                help=f"{help_text} (default: {defaults[f.name]})")
+    ns = vars(parser.parse_args(argv))
+    preset = ns.pop("preset")
+    args = args_cls(**ns)
+    args.preset = preset
+    return args
+
+
+def check_args(conditions):
+    """Exit with one clear line per violated `(condition, message)` pair instead of a deep traceback."""
+    errors = [msg for ok, msg in conditions if not ok]
+    if errors:
+        raise SystemExit("error: " + "; ".join(errors))
+
+
+# ----------------------------------------------------------------------------- devices, seeds, models
+
+
+def seed_everything(seed):
+    """Seed python, numpy and torch (all devices); CPU runs are then bit-reproducible."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def get_device(name="auto"):
+    """cuda → mps → cpu unless a device is named."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def make_tokenizer(words, special_tokens=()):
+    """A word-level `PreTrainedTokenizerFast` over `words` (whitespace split), built offline.
+
+    Ids 0–3 are <pad>, <unk>, <bos>, <eos>; `special_tokens` (e.g. reward tokens) are never split.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base = ["<pad>", "<unk>", "<bos>", "<eos>"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys([*base, *special_tokens, *words]))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                        bos_token="<bos>", eos_token="<eos>")
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    return tokenizer
+
+
+def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512, seed=0):
+    """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=max(1, num_heads // 2), max_position_embeddings=max_positions,
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def load_causal_lm(model_id, dtype=torch.bfloat16, lora_rank=0, lora_alpha=None):
+    """Tokenizer + causal LM from the hub or a local path; optional peft LoRA on all linear layers.
+
+    A model that cannot be loaded (offline, not cached, typo) exits with one line that says so and
+    points at the toy preset, instead of a hub traceback.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: could not load model {model_id!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+                         "Check the id, your network or HF cache (HF_HUB_OFFLINE=1 needs it cached), "
+                         "or run the offline toy preset: --preset toy") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+    return tokenizer, model
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class RunLogger:
+    """Writes config.json, metrics.jsonl (one line per step), summary.json and PNG curves under out_dir;
+    shows a tqdm bar and one compact stdout line per logged step."""
+
+    def __init__(self, out_dir, config, total_steps, desc, quiet=False):
+        from tqdm import tqdm
+
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        self.records = []
+        self.quiet = quiet
+        self.bar = tqdm(total=total_steps, desc=desc, disable=quiet, leave=False, file=sys.stderr)
+        self.start = time.time()
+        if not quiet:
+            print(f"[{desc}] config: {json.dumps(config, default=str)}")
+
+    def log(self, step, **metrics):
+        record = {"step": step, "sec": round(time.time() - self.start, 2), **metrics}
+        self.records.append(record)
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        self.bar.update(step - self.bar.n)
+        if not self.quiet:
+            line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+            self.bar.write(line)
+
+    def finish(self, summary, plots=()):
+        """Write summary.json and one PNG per (filename, keys, title) in `plots`, from the logged records."""
+        self.bar.close()
+        self.metrics_file.close()
+        summary = {**summary, "wall_seconds": round(time.time() - self.start, 2)}
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        for filename, keys, title in plots:
+            plot_curves({k: [(r["step"], r[k]) for r in self.records if k in r] for k in keys},
+                        self.out_dir / filename, title)
+        return summary
+
+
+def plot_curves(curves, path, title, ylabel="", logy=False):
+    """One line per name in `curves` ({name: [(x, y), ...]}) saved as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    for name, points in curves.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, label=name)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path, tensors, state):
+    """Atomically write one safetensors file: `tensors` (name → tensor) plus JSON-able `state` in its
+    metadata. Written to a temp file in the same folder, fsynced, then os.replace'd: a crash mid-write
+    leaves the previous checkpoint intact."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                  metadata={"state": json.dumps(state)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path):
+    """(tensors, state) from a file written by `save_checkpoint`."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        state = json.loads(f.metadata()["state"])
+    return load_file(str(path)), state
+
+
+# ----------------------------------------------------------------------------- demo table
+
+
+def demo_table(runs_dir="runs"):
+    """One row per toy run: the metric that shows its paper's claim, before → after, and wall time."""
+    rows = []
+    for name, fmt in DEMO_ROWS:
+        path = Path(runs_dir) / name / "summary.json"
+        if path.exists():
+            rows.append(fmt(json.loads(path.read_text())))
+    width = max([len(r[0]) for r in rows] + [10])
+    lines = [f"{'run':<{width}}  {'claim':<44}  {'before → after':<28}  wall s"]
+    lines += [f"{a:<{width}}  {b:<44}  {c:<28}  {d:.0f}" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+DEMO_ROWS = [
+    ("flowrl", lambda s: ("flowrl", "FlowRL KL(π‖p*) vs GRPO (lower = matches)",
+                          f"GRPO {s['grpo']['kl_policy_to_target']:.3f} | FlowRL {s['flowrl']['kl_policy_to_target']:.3f}",
+                          s["wall_seconds"])),
+    ("flow_grpo", lambda s: ("flow_grpo", "digit accuracy (ODE eval) goes up",
+                             f"{s['accuracy_before']:.2f} → {s['accuracy_after']:.2f}", s["wall_seconds"])),
+    ("rc_grpo", lambda s: ("rc_grpo", "held-out acc: SFT+GRPO vs RCTP+RC-GRPO",
+                           f"{s['sft+grpo']['accuracy']:.2f} vs {s['rctp+rc-grpo']['accuracy']:.2f}",
+                           s["wall_seconds"])),
+    ("agentflow", lambda s: ("agentflow", "held-out accuracy of the agent goes up",
+                             f"{s['accuracy_before']:.2f} → {s['accuracy_after']:.2f}", s["wall_seconds"])),
+]
+
+if __name__ == "__main__":
+    print(demo_table(sys.argv[1] if len(sys.argv) > 1 else "runs"))

@@ -1,0 +1,182 @@
+"""common.py: every function on hand-computed numbers or an independent reference."""
+import math
+import os
+
+import pytest
+import torch
+
+import common
+
+
+def test_group_advantages_hand_numbers():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0])
+    a = common.group_advantages(r, group_size=3, eps=0.0)
+    # group 1: mean 1/3, sample std sqrt(((2/3)^2 + 2·(1/3)^2)/2) = sqrt(1/3)
+    s1 = math.sqrt(1 / 3)
+    torch.testing.assert_close(a[:3], torch.tensor([(2 / 3) / s1, (-1 / 3) / s1, (-1 / 3) / s1]))
+    torch.testing.assert_close(a[3:], torch.tensor([-1.0, 0.0, 1.0]))  # mean 2, sample std 2
+    torch.testing.assert_close(common.group_advantages(r, 3, scale="none"),
+                               torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+
+
+def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
+    r = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], requires_grad=True)
+    a = common.group_advantages(r, 3)
+    assert torch.equal(a, torch.zeros(6))
+    a.sum().backward()
+    assert torch.isfinite(r.grad).all()
+    assert common.zero_variance_fraction(torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("bad", [dict(group_size=1), dict(group_size=4)])
+def test_group_advantages_rejects_bad_shapes(bad):
+    with pytest.raises(ValueError):
+        common.group_advantages(torch.ones(6), **bad)
+
+
+def test_group_advantages_rejects_nan():
+    with pytest.raises(ValueError, match="NaN"):
+        common.group_advantages(torch.tensor([1.0, float("nan")]), 2)
+
+
+def test_token_logprobs_equals_log_softmax_gather():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    labels = torch.randint(0, 11, (3, 5))
+    ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(common.token_logprobs(logits, labels), ref)
+    torch.testing.assert_close(common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0)
+
+
+def test_masked_mean_and_sequence_logprob():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert common.masked_mean(x, m).item() == 1.5
+    torch.testing.assert_close(common.masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
+    torch.testing.assert_close(common.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
+    torch.testing.assert_close(common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
+
+
+def test_gaussian_logprob_equals_normal_log_prob_averaged():
+    torch.manual_seed(0)
+    x, mean = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    ref = torch.distributions.Normal(mean, 0.3).log_prob(x).flatten(1).mean(1)
+    torch.testing.assert_close(common.gaussian_logprob(x, mean, 0.3), ref)
+
+
+def test_clipped_loss_at_ratio_one_is_minus_advantage():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, stats = common.clipped_policy_loss(logp, logp.detach(), adv, torch.ones(2, 2))
+    assert loss.item() == pytest.approx(-(2 + 2 - 1 - 1) / 4)
+    assert stats["ratio_mean"] == 1.0 and stats["clipfrac"] == 0.0
+    loss.backward()  # d(−ρA)/dlogp = −A·ρ/4 at ρ = 1
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
+
+
+def test_clipped_loss_gradient_vanishes_where_clip_binds():
+    old = torch.zeros(1, 4)
+    # ratios 1.5 (A>0: clipped), 0.5 (A>0: not clipped), 1.5 (A<0: not clipped), 0.5 (A<0: clipped)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, stats = common.clipped_policy_loss(logp, old, adv, torch.ones(1, 4), clip_eps=0.2)
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
+    assert logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
+    assert stats["clipfrac"] == 0.5
+
+
+def test_seq_mean_differs_from_token_mean_on_ragged_masks():
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    tok, _ = common.clipped_policy_loss(logp, logp, adv, mask, aggregate="token-mean")
+    seq, _ = common.clipped_policy_loss(logp, logp, adv, mask, aggregate="seq-mean")
+    assert tok.item() == pytest.approx(-(3 - 1) / 4) and seq.item() == pytest.approx(0.0)
+
+
+def test_k3_nonnegative_zero_at_equality_and_unbiased():
+    torch.manual_seed(0)
+    d = torch.randn(1000) * 3
+    assert (common.kl_penalty(torch.zeros(1000), d) >= 0).all()
+    assert common.kl_penalty(torch.ones(4), torch.ones(4)).abs().max() == 0
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.2, 0.6])
+    exact = (p * (p / q).log()).sum()
+    y = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(1))
+    est = common.kl_penalty(p.log()[y], q.log()[y], "k3").mean()
+    assert est.item() == pytest.approx(exact.item(), abs=0.01)
+    assert common.kl_penalty(p.log()[y], q.log()[y], "k1").mean().item() == pytest.approx(exact.item(), abs=0.01)
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    t = {"w": torch.randn(3, 4), "rng": torch.get_rng_state()}
+    common.save_checkpoint(tmp_path / "ckpt.safetensors", t, {"step": 7, "metrics": [1.5]})
+    loaded, state = common.load_checkpoint(tmp_path / "ckpt.safetensors")
+    assert state == {"step": 7, "metrics": [1.5]}
+    assert all(torch.equal(t[k], loaded[k]) for k in t)
+
+
+def test_interrupted_checkpoint_write_keeps_the_old_one(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.safetensors"
+    common.save_checkpoint(path, {"w": torch.zeros(2)}, {"step": 1})
+
+    def crash(src, dst):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_checkpoint(path, {"w": torch.ones(2)}, {"step": 2})
+    loaded, state = common.load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(loaded["w"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]  # no temp file left
+
+
+def test_tiny_tokenizer_and_model_round_trip():
+    tok = common.make_tokenizer(["a", "b", "c"], special_tokens=["<|high_reward|>"])
+    ids = tok("a <|high_reward|> c b")["input_ids"]
+    assert tok.decode(ids) == "a <|high_reward|> c b"
+    assert len(ids) == 4
+    model = common.tiny_causal_lm(len(tok))
+    out = model(input_ids=torch.tensor([ids]))
+    assert out.logits.shape == (1, 4, len(tok))
+
+
+def test_completion_logprobs_match_generate_scores_under_left_padding():
+    tok = common.make_tokenizer(list("abcdef"))
+    model = common.tiny_causal_lm(len(tok)).eval()
+    tok.padding_side = "left"
+    enc = tok(["a b c", "d"], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    out = model.generate(**enc, do_sample=True, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=None)
+    seq = out.sequences
+    mask = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1)
+    with torch.no_grad():
+        logp = common.completion_logprobs(model, seq, mask)[:, -4:]
+    gen_logp = torch.stack([torch.log_softmax(s, -1).gather(-1, seq[:, -4 + i, None]).squeeze(-1)
+                            for i, s in enumerate(out.scores)], 1)
+    torch.testing.assert_close(logp, gen_logp, atol=1e-4, rtol=0)
+
+
+def test_parse_args_presets_and_errors():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Args:
+        lr: float = dataclasses.field(default=0.1, metadata={"help": "learning rate"})
+        model: str = "toy"
+        lora: bool = False
+
+    Args.__module__ = __name__
+    a = common.parse_args(Args, {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}}, ["--preset", "full", "--lr", "0.5"])
+    assert (a.model, a.lr, a.lora, a.preset) == ("Qwen/Qwen2.5-0.5B", 0.5, False, "full")
+    with pytest.raises(SystemExit):
+        common.parse_args(Args, {}, ["--no-such-flag"])
+    with pytest.raises(SystemExit, match="lr must be <= 0.1"):
+        common.check_args([(a.lr <= 0.1, "lr must be <= 0.1"), (True, "unused")])
+
+
+def test_load_causal_lm_offline_error_points_at_toy():
+    with pytest.raises(SystemExit, match="--preset toy"):
+        common.load_causal_lm("no-such-org/no-such-model-xyz")
