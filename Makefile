@@ -14,6 +14,9 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed
+	$(PY) flowrl.py --quiet
+	$(PY) flowrl.py --quiet --algo grpo
+	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
 	@$(PY) common.py runs
 
 test: $(VENV)/.installed

@@ -104,15 +104,42 @@ def gaussian_logprob(x, mean, std):
     return per_elem.flatten(1).mean(1)
 
 
-def completion_logprobs(model, input_ids, attention_mask):
+def completion_logprobs(model, input_ids, attention_mask, return_hidden=False):
     """log π(x_t | x_<t) for t ≥ 1 of padded sequences → (B, T−1); entry t−1 scores token t.
 
     Position ids follow the attention mask, as `generate` sets them for left-padded prompts, so the
     log-probs scored here equal the sampler's (ratio = 1 on-policy, REFERENCES.md §0).
+    With return_hidden, also the last layer's hidden states (B, T, H) of the same forward pass.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=return_hidden)
+    logp = token_logprobs(out.logits[:, :-1], input_ids[:, 1:])
+    return (logp, out.hidden_states[-1]) if return_hidden else logp
+
+
+def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0, stop_at_eos=True):
+    """Sample one completion per prompt string with `generate` (KV cache on, left padding).
+
+    Returns (sequences (B, P+T), attention mask (B, P+T), completion mask (B, T), prompt length P).
+    The completion mask keeps tokens up to and including the first EOS when `stop_at_eos`; the EOS is
+    scored, so the policy learns to stop (tiny-grpo masks it away because its pad is its EOS).
+    """
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    eos = tokenizer.eos_token_id if stop_at_eos else None
+    seq = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    prompt_len = enc["input_ids"].shape[1]
+    completion = seq[:, prompt_len:]
+    if stop_at_eos:
+        is_eos = completion == tokenizer.eos_token_id
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+        completion_mask = (~after_eos).long()
+    else:
+        completion_mask = torch.ones_like(completion)
+    return seq, torch.cat([enc["attention_mask"], completion_mask], 1), completion_mask, prompt_len
 
 
 # ----------------------------------------------------------------------------- the GRPO objective
@@ -251,13 +278,16 @@ def make_tokenizer(words, special_tokens=()):
 
 
 def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512, seed=0):
-    """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size."""
+    """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size.
+
+    No EOS in its config: `generate` stops only where the caller passes one (see sample_completions).
+    """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=max(1, num_heads // 2), max_position_embeddings=max_positions,
-                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
@@ -301,7 +331,7 @@ class RunLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        self.metrics_file = open(self.out_dir / "metrics.jsonl", "w")
         self.records = []
         self.quiet = quiet
         self.bar = tqdm(total=total_steps, desc=desc, disable=quiet, leave=False, file=sys.stderr)
@@ -403,16 +433,11 @@ def demo_table(runs_dir="runs"):
 
 
 DEMO_ROWS = [
-    ("flowrl", lambda s: ("flowrl", "FlowRL KL(π‖p*) vs GRPO (lower = matches)",
-                          f"GRPO {s['grpo']['kl_policy_to_target']:.3f} | FlowRL {s['flowrl']['kl_policy_to_target']:.3f}",
-                          s["wall_seconds"])),
-    ("flow_grpo", lambda s: ("flow_grpo", "digit accuracy (ODE eval) goes up",
-                             f"{s['accuracy_before']:.2f} → {s['accuracy_after']:.2f}", s["wall_seconds"])),
-    ("rc_grpo", lambda s: ("rc_grpo", "held-out acc: SFT+GRPO vs RCTP+RC-GRPO",
-                           f"{s['sft+grpo']['accuracy']:.2f} vs {s['rctp+rc-grpo']['accuracy']:.2f}",
-                           s["wall_seconds"])),
-    ("agentflow", lambda s: ("agentflow", "held-out accuracy of the agent goes up",
-                             f"{s['accuracy_before']:.2f} → {s['accuracy_after']:.2f}", s["wall_seconds"])),
+    ("flowrl", lambda s: ("flowrl", "FlowRL: exact KL(π‖p*) goes down",
+                          f"{s['before']['kl_policy_to_target']:.3f} → {s['kl_policy_to_target']:.3f}", s["wall_seconds"])),
+    ("flowrl-grpo", lambda s: ("flowrl-grpo", "GRPO baseline: exact KL(π‖p*) goes up",
+                               f"{s['before']['kl_policy_to_target']:.3f} → {s['kl_policy_to_target']:.3f}",
+                               s["wall_seconds"])),
 ]
 
 if __name__ == "__main__":

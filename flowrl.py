@@ -1,5 +1,412 @@
-"""FlowRL, trajectory balance with a learned log Z (Zhu et al. 2025, arXiv 2509.15207).
+"""FlowRL: matching the reward distribution with trajectory balance and a learned log Z(x).
 
-Placeholder: not built yet. Issue 3 builds this script (its toy, full-scale preset, notebook and tests).
+Paper: "FlowRL: Matching Reward Distributions for LLM Reasoning", Zhu et al. 2025, arXiv 2509.15207.
+Official code: Xuekai-Zhu/FlowRL (a verl fork). Digest: REFERENCES.md §2.
+
+Reward maximisers (PPO, GRPO) pile their mass onto the single best mode. FlowRL instead fits the target
+p*(y|x) ∝ π_ref(y|x)·exp(β·r(x,y)) by minimising KL(π_θ‖p*); in expected gradient that KL equals the
+GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) is a small learned head (§2.1).
+
+Equation map (REFERENCES.md section → function):
+    §2.2 TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)²   → trajectory_balance_loss
+    §2.2 w        clip(π_θ/π_old, 1−ε, 1+ε), detached                         → importance_weight
+    §2.3 log Z    3-layer MLP on the mean-pooled prompt hidden state           → LogZHead
+    §2.1 p*       π_ref·exp(β·r), exact on the toy by enumeration              → exact_metrics
+    §0   GRPO     the baseline (`--algo grpo`), common.clipped_policy_loss     → train
+
+Deviations (numbered, on purpose):
+    1. The toy uses the raw reward (`--reward-norm none`) so p* is exactly defined; the paper's r̂ is the
+       group-normalised reward (`--reward-norm group`, the full preset's default).
+    2. w clips the sequence ratio to [1−ε, 1+ε] as the paper writes; the original code used it unclipped
+       (its clipped copy was unused, issues #14/#15). Clipping bounds the weight of stale samples.
+    3. With length-normalised log-probs the TB fixed point is π ∝ π_ref·exp(β·|y|·r); the toy's responses
+       all have |y| = 3, so its exact target uses β·|y| (the same family as §2.1, with a rescaled β).
+    4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (§2.3).
+
+Toy (default, CPU, about a minute each):      python flowrl.py            python flowrl.py --algo grpo
+Full scale (one GPU, math recipe):    python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 """
-raise SystemExit("flowrl.py is not built yet: see issue 3")
+import copy
+import dataclasses
+import itertools
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import common
+
+# ----------------------------------------------------------------------------- args
+
+
+@dataclasses.dataclass
+class Args:
+    algo: str = dataclasses.field(default="flowrl", metadata={
+        "help": "flowrl: trajectory balance; grpo: the reward-maximising baseline", "choices": ["flowrl", "grpo"]})
+    model: str = dataclasses.field(default="", metadata={"help": "HF model id or path ('' = tiny toy LM)"})
+    data: str = dataclasses.field(default="", metadata={"help": "JSONL of {prompt|problem, answer} ('' = toy task)"})
+    eval_data: str = dataclasses.field(default="", metadata={"help": "JSONL for Avg@k evaluation (full preset)"})
+    steps: int = dataclasses.field(default=150, metadata={"help": "rollout batches"})
+    prompts_per_step: int = dataclasses.field(default=4, metadata={"help": "B, prompts per rollout batch"})
+    group_size: int = dataclasses.field(default=16, metadata={"help": "G, samples per prompt (paper: 8)"})
+    inner_steps: int = dataclasses.field(default=2, metadata={"help": "optimiser steps per rollout batch"})
+    max_new_tokens: int = dataclasses.field(default=3, metadata={"help": "|y| cap"})
+    beta: float = dataclasses.field(default=1.0, metadata={"help": "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)"})
+    reward_norm: str = dataclasses.field(default="none", metadata={
+        "help": "r̂: 'group' = group-normalised (paper), 'none' = raw reward", "choices": ["group", "none"]})
+    clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "ε for w (FlowRL) and the GRPO clip"})
+    lr: float = dataclasses.field(default=1e-3, metadata={"help": "policy learning rate (paper: 1e-6)"})
+    logz_lr: float = dataclasses.field(default=1e-2, metadata={"help": "log Z head learning rate"})
+    detach_logz: bool = dataclasses.field(default=False, metadata={"help": "stop log Z's gradient into the backbone"})
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "rollout temperature (paper: 1.0)"})
+    eval_temperature: float = dataclasses.field(default=0.6, metadata={"help": "Avg@k temperature (paper: 0.6)"})
+    eval_k: int = dataclasses.field(default=4, metadata={"help": "k of Avg@k (paper: 16)"})
+    eval_every: int = dataclasses.field(default=10, metadata={"help": "steps between evaluations"})
+    lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
+    out_dir: str = dataclasses.field(default="", metadata={"help": "output folder (default runs/flowrl[-grpo])"})
+    device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
+    quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
+
+
+# Paper recipe (REFERENCES.md §2.2–§2.4): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
+# rollouts and 0.6 for Avg@16. 8k-token responses do not fit one GPU with 8 samples; 1024 here.
+PRESETS = {"full": dict(model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8, group_size=8,
+                        inner_steps=1, max_new_tokens=1024, beta=15.0, reward_norm="group", lr=1e-6,
+                        logz_lr=1e-6, eval_k=16, eval_every=50)}
+
+# ----------------------------------------------------------------------------- the toy task
+
+SYMBOLS = list("abcd")
+TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
+VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0
+
+
+def toy_reward_table(seed):
+    """For each toy prompt, six 3-symbol answers with rewards VALLEYS (modes of different fertility)."""
+    gen = torch.Generator().manual_seed(seed)
+    answers = [" ".join(a) for a in itertools.product(SYMBOLS, repeat=3)]
+    return [{answers[j]: r for j, r in zip(torch.randperm(len(answers), generator=gen)[:len(VALLEYS)].tolist(), VALLEYS)}
+            for _ in TOY_PROMPTS]
+
+
+def build_toy(args):
+    """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol strings."""
+    tokenizer = common.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
+    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed)
+    table = toy_reward_table(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    symbol_ids = torch.tensor(tokenizer.convert_tokens_to_ids(SYMBOLS))
+    prompt_ids = torch.tensor(tokenizer.convert_tokens_to_ids(TOY_PROMPTS))
+    for _ in range(150):
+        x = torch.stack([prompt_ids[torch.randint(len(TOY_PROMPTS), (64,), generator=gen)],
+                         *symbol_ids[torch.randint(len(SYMBOLS), (3, 64), generator=gen)]], 1)
+        logits = model(input_ids=x).logits[:, :-1]
+        loss = -common.token_logprobs(logits, x[:, 1:]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    task = {"prompts": TOY_PROMPTS, "answers": None,
+            "reward": lambda i, text: table[i].get(text.strip(), 0.0), "table": table}
+    return tokenizer, model, task
+
+
+# ----------------------------------------------------------------------------- the full-scale task
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def extract_answer(text):
+    """The last \\boxed{...} (braces balanced), else the last number in the text, else ''."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 1, start + len("\\boxed{")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j]
+    numbers = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", text)
+    return numbers[-1] if numbers else ""
+
+
+def normalize_answer(ans):
+    """Strip spaces, $, \\! and a trailing period; '1/2', '0.5' and '\\frac{1}{2}' compare numerically."""
+    ans = re.sub(r"\\[!,;]|\$|\s|\\text\{[^}]*\}", "", str(ans)).rstrip(".")
+    ans = re.sub(r"\\d?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", ans)
+    try:
+        num, _, den = ans.partition("/")
+        value = float(num) / float(den) if den else float(num)
+        return f"{value:.6g}"
+    except ValueError:
+        return ans
+
+
+def math_reward(text, answer):
+    """1 if the extracted final answer equals the reference after normalisation, else 0 (§2.4)."""
+    return float(normalize_answer(extract_answer(text)) == normalize_answer(answer))
+
+
+def load_math_jsonl(path):
+    """[(prompt, answer)] from JSONL lines with a 'prompt' or 'problem' field and an 'answer' field."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: data file {str(path)!r} not found")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.append((row.get("prompt") or row["problem"], str(row["answer"])))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise SystemExit(f"error: {path}:{n} is not a JSON object with 'prompt'/'problem' and 'answer'") from None
+    if not rows:
+        raise SystemExit(f"error: {path} has no rows")
+    return rows
+
+
+def build_full(args):
+    """HF causal LM (optionally LoRA) + the math task; prompts use the chat template when there is one."""
+    tokenizer, model = common.load_causal_lm(args.model, lora_rank=args.lora_rank)
+    rows = load_math_jsonl(args.data)
+
+    def render(question):
+        if tokenizer.chat_template:
+            return tokenizer.apply_chat_template([{"role": "user", "content": question + MATH_SUFFIX}],
+                                                 tokenize=False, add_generation_prompt=True)
+        return question + MATH_SUFFIX + "\n"
+
+    task = {"prompts": [render(q) for q, _ in rows], "answers": [a for _, a in rows],
+            "reward": lambda i, text: math_reward(text, rows[i][1]),
+            "eval": [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []}
+    return tokenizer, model, task
+
+
+# ----------------------------------------------------------------------------- the algorithm
+
+
+class LogZHead(nn.Module):
+    """log Z_φ(x): Linear–GELU–LayerNorm–Dropout(0.1) twice, then Linear → 1 (REFERENCES.md §2.3).
+
+    Input: the policy's last hidden state mean-pooled over the prompt tokens, so Z(x) is conditioned
+    on the prompt and (unless detached) its gradient shapes the shared backbone.
+    """
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        block = lambda: [nn.Linear(hidden_size, hidden_size), nn.GELU(), nn.LayerNorm(hidden_size), nn.Dropout(0.1)]
+        self.net = nn.Sequential(*block(), *block(), nn.Linear(hidden_size, 1))
+
+    def forward(self, hidden, prompt_mask):
+        pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(min=1)
+        return self.net(pooled.float()).squeeze(-1)
+
+
+def importance_weight(logp_sum, old_logp_sum, clip_eps):
+    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (REFERENCES.md §2.2; DEVIATION 2)."""
+    return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
+
+
+def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight):
+    """L = mean_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (§2.2)
+
+    logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); weight: w (B,).
+    Returns (loss, residual). At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its normaliser.
+    """
+    residual = log_z + logp - beta * reward - ref_logp  # §2.2
+    return (weight * residual**2).mean(), residual
+
+
+@torch.no_grad()
+def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
+    """Enumerate every length-3 answer over the whole vocabulary (V³ per prompt) and compute exactly:
+    π_θ(·|x), p*(·|x) ∝ π_ref·exp(β·|y|·r) (DEVIATION 3), KL(π‖p*), KL(p*‖π), E_π[r], E_p*[r] and the
+    number of rewarded modes that hold ≥ 5% of their target mass. Averaged over the toy prompts."""
+    vocab = len(tokenizer)
+    answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
+    texts = [tokenizer.decode(a) for a in answers.tolist()]
+    out = {"kl_policy_to_target": 0.0, "kl_target_to_policy": 0.0, "mean_reward": 0.0, "target_mean_reward": 0.0,
+           "modes_covered": 0, "modes_total": 0, "dists": []}
+    for i, prompt in enumerate(task["prompts"]):
+        prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1)
+        mask = torch.ones_like(seq)
+        logp = common.completion_logprobs(model, seq, mask)[:, -length:].sum(-1)
+        ref_logp = common.completion_logprobs(ref_model, seq, mask)[:, -length:].sum(-1)
+        reward = torch.tensor([task["reward"](i, t) for t in texts])
+        log_target = torch.log_softmax(ref_logp + beta * length * reward, 0)
+        pi, target = logp.exp(), log_target.exp()
+        out["kl_policy_to_target"] += (pi * (logp - log_target)).sum().item() / len(task["prompts"])
+        out["kl_target_to_policy"] += (target * (log_target - logp)).sum().item() / len(task["prompts"])
+        out["mean_reward"] += (pi * reward).sum().item() / len(task["prompts"])
+        out["target_mean_reward"] += (target * reward).sum().item() / len(task["prompts"])
+        rewarded = reward > 0
+        out["modes_covered"] += int((pi[rewarded] >= 0.05 * target[rewarded]).sum())
+        out["modes_total"] += int(rewarded.sum())
+        out["dists"].append((texts, pi.tolist(), target.tolist(), reward.tolist()))
+    return out
+
+
+@torch.no_grad()
+def avg_at_k(model, tokenizer, eval_rows, args):
+    """Avg@k: mean reward of k samples per eval question at the eval temperature (§2.4)."""
+    scores = []
+    for prompt, answer in eval_rows:
+        seq, _, mask, plen = common.sample_completions(model, tokenizer, [prompt] * args.eval_k, args.max_new_tokens,
+                                                       args.eval_temperature)
+        scores += [math_reward(t, answer) for t in tokenizer.batch_decode(seq[:, plen:] * mask, skip_special_tokens=True)]
+    return {"avg_at_k": sum(scores) / max(len(scores), 1)}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def validate(args):
+    common.check_args([(args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+                       (args.lr > 0, f"--lr must be > 0 (got {args.lr})"),
+                       (args.logz_lr > 0, f"--logz-lr must be > 0 (got {args.logz_lr})"),
+                       (args.clip_eps > 0, f"--clip-eps must be > 0 (got {args.clip_eps})"),
+                       (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
+                       (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
+                       (bool(args.model) == bool(args.data), "--model and --data go together ('' both = toy)")])
+
+
+def train(args):
+    """Roll out G answers per prompt, score them, then TB (FlowRL) or clipped-surrogate (GRPO) updates."""
+    validate(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    tokenizer, model, task = build_full(args) if args.model else build_toy(args)
+    model.to(device)
+    toy = task["answers"] is None
+    # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (§2.2).
+    ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
+    head = LogZHead(model.config.hidden_size).to(device)
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
+    if args.algo == "flowrl":
+        groups.append({"params": head.parameters(), "lr": args.logz_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    out_dir = Path(args.out_dir or f"runs/flowrl{'-grpo' if args.algo == 'grpo' else ''}")
+    logger = common.RunLogger(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
+                              f"{args.algo}", quiet=args.quiet)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def ref_logprobs(seq, attn):
+        if ref_model is not None:
+            return common.completion_logprobs(ref_model, seq, attn)
+        with model.disable_adapter():
+            return common.completion_logprobs(model, seq, attn)
+
+    def evaluate():
+        model.eval()
+        metrics = (exact_metrics(model, ref_model, tokenizer, task, args.beta) if toy
+                   else avg_at_k(model, tokenizer, task["eval"], args) if task["eval"] else {})
+        model.train()
+        return metrics
+
+    first = evaluate()
+    first_ratio_dev = 0.0
+    for step in range(1, args.steps + 1):
+        # --- rollouts: B prompts × G samples, the G samples of a prompt contiguous
+        idx = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen).repeat_interleave(args.group_size)
+        model.eval()
+        with torch.no_grad():
+            seq, attn, comp_mask, plen = common.sample_completions(
+                model, tokenizer, [task["prompts"][i] for i in idx], args.max_new_tokens, args.temperature,
+                stop_at_eos=not toy)
+            texts = tokenizer.batch_decode(seq[:, plen:] * comp_mask, skip_special_tokens=True)
+            rewards = torch.tensor([task["reward"](i, t) for i, t in zip(idx.tolist(), texts)], dtype=torch.float32)
+            old_logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]  # (B·G, T)
+            ref_logp = ref_logprobs(seq, attn)[:, plen - 1:] if args.algo == "flowrl" else None
+        model.train()
+        advantages = common.group_advantages(rewards, args.group_size).to(device)
+        reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)
+        mask = comp_mask.float()
+
+        # --- updates on this batch
+        for inner in range(args.inner_steps):
+            logp, hidden = common.completion_logprobs(model, seq, attn, return_hidden=True)
+            logp = logp[:, plen - 1:]
+            if inner == 0:
+                first_ratio_dev = max(first_ratio_dev, (logp.detach() - old_logp).exp().sub(1).abs().max().item())
+            if args.algo == "flowrl":
+                log_z = head(hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen], attn[:, :plen].float())
+                weight = importance_weight(common.sequence_logprob(logp, mask), common.sequence_logprob(old_logp, mask),
+                                           args.clip_eps)
+                loss, residual = trajectory_balance_loss(
+                    log_z, common.sequence_logprob(logp, mask, length_normalize=True),
+                    common.sequence_logprob(ref_logp, mask, length_normalize=True), reward_hat, args.beta, weight)
+                stats = {"log_z": log_z.mean().item(), "residual_abs": residual.abs().mean().item(),
+                         "w_mean": weight.mean().item()}
+            else:
+                loss, stats = common.clipped_policy_loss(logp, old_logp, advantages, mask, args.clip_eps)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+        record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), "loss": loss.item(),
+                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
+                  "first_ratio_dev": first_ratio_dev, **stats}
+        if step % args.eval_every == 0 or step == args.steps:
+            record |= {k: v for k, v in evaluate().items() if k != "dists"}
+        logger.log(step, **record)
+
+    if first_ratio_dev > 1e-5:
+        print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training log-probs differ")
+    final = evaluate()
+    summary = {k: v for k, v in final.items() if k != "dists"} | {
+        "algo": args.algo, "first_step_ratio_max_dev": first_ratio_dev,
+        "before": {k: v for k, v in first.items() if k != "dists"}}
+    if toy:
+        plot_valleys(final["dists"][0], out_dir / "valleys.png", args.algo)
+    plots = [("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL to p*"),
+             ("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")] if toy else \
+            [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
+    if not toy:
+        model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (§2.3)
+        tokenizer.save_pretrained(out_dir / "policy")
+    return logger.finish(summary, plots)
+
+
+def plot_valleys(dist, path, algo, top=16):
+    """Bars of target p* vs learned π over the answers with the most target mass (seed 001's valleys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    texts, pi, target, _ = dist
+    order = sorted(range(len(texts)), key=lambda j: -target[j])[:top]
+    fig, ax = plt.subplots(figsize=(6, 3), dpi=100)
+    xs = torch.arange(len(order)).numpy()
+    ax.bar(xs - 0.2, [target[j] for j in order], 0.4, label="target p*")
+    ax.bar(xs + 0.2, [pi[j] for j in order], 0.4, label=f"{algo} π")
+    ax.set_xticks(xs, [texts[j].replace(" ", "") for j in order], rotation=90, fontsize=7)
+    ax.set(title=f"{algo}: probability of each answer (prompt x0)", ylabel="probability")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_kl_comparison(runs_dir):
+    """FlowRL vs GRPO exact KL(π‖p*) curves from runs/flowrl and runs/flowrl-grpo (written by `make demo`)."""
+    curves = {}
+    for name in ["flowrl", "flowrl-grpo"]:
+        path = Path(runs_dir) / name / "metrics.jsonl"
+        if path.exists():
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            curves[name] = [(r["step"], r["kl_policy_to_target"]) for r in rows if "kl_policy_to_target" in r]
+    common.plot_curves(curves, Path(runs_dir) / "flowrl_vs_grpo_kl.png", "exact KL(π‖p*) on the toy", "KL", logy=True)
+
+
+if __name__ == "__main__":
+    result = train(common.parse_args(Args, PRESETS))
+    print(json.dumps(result, indent=2))

@@ -1,0 +1,128 @@
+"""flowrl.py: the TB loss on hand numbers, its optimum, exact enumeration, and the two presets end to end."""
+import itertools
+import json
+
+import pytest
+import torch
+
+import common
+import flowrl
+
+
+def toy_args(tmp_path, *extra):
+    return common.parse_args(flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+
+
+def test_trajectory_balance_loss_hand_numbers():
+    log_z = torch.tensor([0.5, 0.5])
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    loss, residual = flowrl.trajectory_balance_loss(log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5]))
+    # residuals: 0.5 − 1 − 2 + 1.5 = −1 ; 0.5 − 2 − 0 + 1 = −0.5 → mean(1·1, 0.5·0.25) = 0.5625
+    torch.testing.assert_close(residual, torch.tensor([-1.0, -0.5]))
+    assert loss.item() == pytest.approx(0.5625)
+
+
+def test_loss_and_gradient_vanish_at_the_target_with_the_true_normaliser():
+    torch.manual_seed(0)
+    length, beta = 3, 1.5
+    ref_seq = torch.log_softmax(torch.randn(64), 0)  # log π_ref(y) over an enumerable space
+    reward = (torch.rand(64) > 0.8).float()
+    log_target = torch.log_softmax(ref_seq + beta * length * reward, 0)  # π = p*
+    log_z = (torch.logsumexp(ref_seq + beta * length * reward, 0) / length).requires_grad_()
+    logp = (log_target / length).clone().requires_grad_()  # length-normalised
+    loss, residual = flowrl.trajectory_balance_loss(log_z, logp, ref_seq / length, reward, beta, torch.ones(64))
+    loss.backward()
+    assert residual.abs().max() < 1e-5 and loss.item() < 1e-10
+    assert logp.grad.abs().max() < 1e-6 and log_z.grad.abs() < 1e-5
+    # and a wrong normaliser is not an optimum
+    loss_off, _ = flowrl.trajectory_balance_loss(log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64))
+    assert loss_off.item() > 1e-3
+
+
+def test_importance_weight_is_clipped_and_detached():
+    logp = torch.tensor([0.0, 1.0, -1.0], requires_grad=True)
+    w = flowrl.importance_weight(logp, torch.zeros(3), 0.2)
+    torch.testing.assert_close(w, torch.tensor([1.0, 1.2, 0.8]))
+    assert not w.requires_grad
+
+
+def test_exact_enumeration_equals_brute_force(tmp_path):
+    args = toy_args(tmp_path)
+    tokenizer, model, task = flowrl.build_toy(args)
+    model.eval()
+    metrics = flowrl.exact_metrics(model, model, tokenizer, task, beta=1.0)
+    texts, pi, target, reward = metrics["dists"][0]
+    assert sum(pi) == pytest.approx(1.0, abs=1e-4) and sum(target) == pytest.approx(1.0, abs=1e-4)
+    assert metrics["kl_policy_to_target"] > 0  # π = π_ref ≠ p*
+    prompt = tokenizer(task["prompts"][0], add_special_tokens=False)["input_ids"]
+    vocab = len(tokenizer)
+    with torch.no_grad():
+        for j in [0, 5, 777, vocab**3 - 1]:
+            answer = list(itertools.product(range(vocab), repeat=3))[j]
+            prob = 1.0
+            for t in range(3):
+                probs = torch.softmax(model(input_ids=torch.tensor([prompt + list(answer[:t])])).logits[0, -1], -1)
+                prob *= probs[answer[t]].item()
+            assert pi[j] == pytest.approx(prob, rel=1e-4)
+    # KL(π_ref‖p*) in closed form: log E_ref[e^{3βr}] − 3β·E_ref[r]
+    r = torch.tensor(reward)
+    p = torch.tensor(pi, dtype=torch.float64)
+    closed = torch.log((p * torch.exp(3.0 * r)).sum()) - 3.0 * (p * r).sum()
+    assert closed.item() == pytest.approx(_kl(pi, target), abs=1e-4)
+    assert metrics["kl_policy_to_target"] == pytest.approx(sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4)
+
+
+def _kl(p, q):
+    p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+    return (p * (p.log() - q.log())).sum().item()
+
+
+@pytest.mark.parametrize("algo", ["flowrl", "grpo"])
+def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
+    a = flowrl.train(toy_args(tmp_path / "a", "--algo", algo, "--steps", "3", "--eval-every", "3"))
+    b = flowrl.train(toy_args(tmp_path / "b", "--algo", algo, "--steps", "3", "--eval-every", "3"))
+    assert a["first_step_ratio_max_dev"] < 1e-5
+    strip = lambda p: [{k: v for k, v in json.loads(l).items() if k != "sec"} for l in open(p)]
+    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
+    for name in ["summary.json", "kl.png", "valleys.png", "config.json"]:
+        assert (tmp_path / "a" / name).exists()
+
+
+def test_math_answer_checker():
+    assert flowrl.math_reward("so the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert flowrl.math_reward("\\boxed{x^{2}}", "x^{2}") == 1.0
+    assert flowrl.math_reward("I think 41, no, 42", "42") == 1.0
+    assert flowrl.math_reward("\\boxed{41}", "42") == 0.0
+    assert flowrl.math_reward("", "42") == 0.0
+
+
+def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = common.make_tokenizer("What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
+    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    args = common.parse_args(flowrl.Args, flowrl.PRESETS, [
+        "--preset", "full", "--model", str(tmp_path / "tiny"), "--data", "tests/data/math_tiny.jsonl",
+        "--eval-data", "tests/data/math_tiny.jsonl", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+        "--max-new-tokens", "6", "--eval-k", "2", "--quiet", "--out-dir", str(tmp_path / "run"), "--device", "cpu"])
+    assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6  # paper defaults (§2.2–§2.4)
+    summary = flowrl.train(args)
+    assert "avg_at_k" in summary and summary["first_step_ratio_max_dev"] < 1e-5
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")  # loads without the log Z head
+    assert not any("net." in k for k in policy.state_dict())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group-size", "1"], "group-size"), (["--lr", "-1"], "--lr"), (["--clip-eps", "0"], "--clip-eps"),
+    (["--preset", "full", "--data", "missing.jsonl"], "not found"),
+])
+def test_bad_input_gets_one_clear_message(tmp_path, argv, message):
+    args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
+    if args.preset == "full":
+        args.model = str(tmp_path / "no-such-model")
+        with pytest.raises(SystemExit, match="could not load|not found"):
+            flowrl.train(args)
+    else:
+        with pytest.raises(SystemExit, match=message):
+            flowrl.train(args)
