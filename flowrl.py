@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import json
 import re
-import time
 from pathlib import Path
 
 import torch
