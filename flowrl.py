@@ -271,7 +271,7 @@ def validate(args):
                        (args.clip_eps > 0, f"--clip-eps must be > 0 (got {args.clip_eps})"),
                        (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
                        (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
-                       (bool(args.model) == bool(args.data), "--model and --data go together ('' both = toy)")])
+                       (bool(args.model) == bool(args.data), "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy")])
 
 
 def train(args):
