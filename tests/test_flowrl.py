@@ -115,14 +115,24 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--group-size", "1"], "group-size"), (["--lr", "-1"], "--lr"), (["--clip-eps", "0"], "--clip-eps"),
-    (["--preset", "full", "--data", "missing.jsonl"], "not found"),
+    (["--preset", "full", "--data", ""], "needs --data"),
 ])
-def test_bad_input_gets_one_clear_message(tmp_path, argv, message):
+def test_bad_flags_get_one_clear_message(tmp_path, argv, message):
     args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
-    if args.preset == "full":
-        args.model = str(tmp_path / "no-such-model")
-        with pytest.raises(SystemExit, match="could not load|not found"):
-            flowrl.train(args)
-    else:
+    with pytest.raises(SystemExit, match=message):
+        flowrl.train(args)
+
+
+def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
+    tokenizer = common.make_tokenizer(["a"])
+    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
+    cases = [(str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl", "could not load.*--preset toy"),
+             (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "not found"),
+             (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2 is not a JSON object")]
+    for model, data, message in cases:
+        args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--preset", "full", "--model", model, "--data", data,
+                                                              "--quiet", "--out-dir", str(tmp_path / "run")])
         with pytest.raises(SystemExit, match=message):
             flowrl.train(args)
