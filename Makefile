@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # bfcl-eval's own dependency pins (an old numpy, API clients) are not needed: its data and backends are pure Python.
 BFCL := bfcl-eval==2026.3.23
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -17,10 +17,14 @@ demo: $(VENV)/.installed
 	$(PY) flowrl.py --quiet
 	$(PY) flowrl.py --quiet --algo grpo
 	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
+	$(PY) flow_grpo.py --quiet
 	@$(PY) common.py runs
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/denoising_reduction.py
 
 clean:
 	rm -rf runs .pytest_cache

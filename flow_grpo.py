@@ -549,11 +549,12 @@ def plot_digit_grid(before, after, per_prompt, path, columns=8):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 9), dpi=100)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 5.5), dpi=100)
     for ax, images, title in [(axes[0], before, "base model"), (axes[1], after, "after Flow-GRPO")]:
         grid = images.view(10, per_prompt, 8, 8)[:, :columns].cpu()  # (digit, sample, row, col)
-        ax.imshow(grid.permute(0, 2, 1, 3).reshape(80, 8 * grid.shape[1]).numpy(), cmap="gray_r", vmin=-1, vmax=1)
-        ax.set(title=title, xticks=[], yticks=[4 + 8 * i for i in range(10)])
+        grid = F.pad(grid, (1, 1, 1, 1), value=-1.0)  # a white frame around each sample
+        ax.imshow(grid.permute(0, 2, 1, 3).reshape(100, 10 * grid.shape[1]).numpy(), cmap="gray_r", vmin=-1, vmax=1)
+        ax.set(title=title, xticks=[], yticks=[5 + 10 * i for i in range(10)])
         ax.set_yticklabels([f"'{d}'" for d in range(10)])
     fig.tight_layout()
     fig.savefig(path)
