@@ -104,9 +104,10 @@ def gaussian_logprob(x, mean, std):
     return per_elem.flatten(1).mean(1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, return_hidden=False):
+def completion_logprobs(model, input_ids, attention_mask, return_hidden=False, temperature=1.0):
     """log π(x_t | x_<t) for t ≥ 1 of padded sequences → (B, T−1); entry t−1 scores token t.
 
+    With a sampling temperature T ≠ 1 the policy is softmax(logits / T), so that is what is scored.
     Position ids follow the attention mask, as `generate` sets them for left-padded prompts, so the
     log-probs scored here equal the sampler's (ratio = 1 on-policy, REFERENCES.md §0).
     With return_hidden, also the last layer's hidden states (B, T, H) of the same forward pass.
@@ -114,12 +115,12 @@ def completion_logprobs(model, input_ids, attention_mask, return_hidden=False):
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=return_hidden)
-    logp = token_logprobs(out.logits[:, :-1], input_ids[:, 1:])
+    logp = token_logprobs(out.logits[:, :-1] / temperature, input_ids[:, 1:])
     return (logp, out.hidden_states[-1]) if return_hidden else logp
 
 
 def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0, stop_at_eos=True):
-    """Sample one completion per prompt string with `generate` (KV cache on, left padding).
+    """Sample one completion per prompt string with `generate` (KV cache on, left padding); T = 0 is greedy.
 
     Returns (sequences (B, P+T), attention mask (B, P+T), completion mask (B, T), prompt length P).
     The completion mask keeps tokens up to and including the first EOS when `stop_at_eos`; the EOS is
@@ -128,8 +129,8 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     eos = tokenizer.eos_token_id if stop_at_eos else None
-    seq = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                         max_new_tokens=max_new_tokens,
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    seq = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens,
                          eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     prompt_len = enc["input_ids"].shape[1]
     completion = seq[:, prompt_len:]

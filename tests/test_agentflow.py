@@ -1,0 +1,186 @@
+"""agentflow.py: reward broadcast, batching of rollouts of different lengths, the loop's control flow,
+the sandboxed Python tool, the toy end to end and the full-scale path with a tiny random planner."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import agentflow
+import common
+
+
+def toy_args(tmp_path, *extra):
+    return common.parse_args(agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+
+
+def test_every_turn_of_a_trajectory_carries_its_group_normalised_reward():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # two queries, G = 3
+    turns = [3, 1, 2, 2, 3, 1]
+    rows = agentflow.broadcast_advantages(rewards, turns, group_size=3)
+    per_trajectory = common.group_advantages(rewards, 3)
+    assert rows.shape == (sum(turns),)
+    start = 0
+    for i, t in enumerate(turns):
+        assert torch.all(rows[start:start + t] == per_trajectory[i])
+        start += t
+    # hand numbers for the first group: mean 1/3, sample std 0.57735 → A = (2/3)/0.57735 = 1.1547
+    assert rows[0].item() == pytest.approx(1.1547, abs=1e-3)
+    assert torch.all(rows[-6:] == 0)  # all-equal group: exact zeros
+
+
+def test_turn_rows_variant_counts_long_trajectories_more():
+    rows = agentflow.broadcast_advantages(torch.tensor([1.0, 0.0]), [3, 1], group_size=2, mode="turn-rows")
+    # rows: 1, 1, 1, 0 → mean 0.75, sample std 0.5 → (1 − 0.75)/0.5 = 0.5 and (0 − 0.75)/0.5 = −1.5
+    torch.testing.assert_close(rows, torch.tensor([0.5, 0.5, 0.5, -1.5]), atol=1e-3, rtol=0)
+
+
+def test_turns_of_different_lengths_batch_with_masks_that_score_only_planner_tokens():
+    tokenizer = common.make_tokenizer("q a b c d e".split())
+    model = common.tiny_causal_lm(len(tokenizer)).eval()
+    prompts = ["q a", "q a b c d", "q"]
+    completions = [tokenizer.convert_tokens_to_ids(x) for x in (["b"], ["c", "d"], ["e", "a", "b"])]
+    ids, attn, mask = agentflow.pack(tokenizer, prompts, completions, "cpu")
+    assert mask.sum(1).tolist() == [1, 2, 3]
+    with torch.no_grad():
+        batched = common.completion_logprobs(model, ids, attn)
+        for row, (prompt, comp) in enumerate(zip(prompts, completions)):
+            alone = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"] + comp])
+            single = common.completion_logprobs(model, alone, torch.ones_like(alone))[0, -len(comp):]
+            torch.testing.assert_close(batched[row][mask[row].bool()], single, atol=1e-5, rtol=0)
+    # the positions the mask marks hold exactly the completion tokens
+    for row, comp in enumerate(completions):
+        assert ids[row, 1:][mask[row].bool()].tolist() == comp
+
+
+def scripted(outputs):
+    """A planner that replays fixed texts per turn (same for every rollout)."""
+    calls = iter(outputs)
+
+    def plan(prompts):
+        text = next(calls)
+        return [(text, [], torch.zeros(0)) for _ in prompts]
+    return plan
+
+
+@pytest.fixture(scope="module")
+def toy_world():
+    args = common.parse_args(agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
+    return agentflow.build_toy(args, torch.device("cpu"))
+
+
+def two_step_query(world):
+    return next(q for q in world["test"] if len(q["shape"]) == 3)
+
+
+def test_malformed_plan_is_an_error_observation_and_the_episode_goes_on(toy_world):
+    query = two_step_query(toy_world)
+    a, op, b = query["shape"]
+    plan = scripted(["]] garbage ((", "lookup Z nothing", f"lookup A {a}", f"lookup B {b}", f"calc {op}"])
+    (trajectory,) = agentflow.run_agent([query], toy_world, plan, max_turns=10)
+    entries = trajectory["memory"].entries
+    assert [e["ok"] for e in entries] == [False, False, True, True, True]
+    assert entries[0]["result"].startswith("error:") and entries[1]["result"].startswith("error:")
+    assert trajectory["verdicts"] == ["CONTINUE"] * 4 + ["STOP"]  # STOP ends the loop
+    assert trajectory["answer"] == query["answer"] and trajectory["reward"] == 1.0
+
+
+def test_the_turn_cap_holds(toy_world):
+    query = two_step_query(toy_world)
+    (trajectory,) = agentflow.run_agent([query], toy_world, scripted([f"lookup A {query['shape'][0]}"] * 10), max_turns=3)
+    assert len(trajectory["turns"]) == 3 and trajectory["verdicts"] == ["CONTINUE"] * 3
+
+
+def test_python_tool_times_out_and_cannot_write_outside_its_directory(tmp_path):
+    start = time.time()
+    result, ok = agentflow.python_tool("while True: pass", timeout=2)
+    assert not ok and "timed out" in result and time.time() - start < 6
+    outside = tmp_path / "escape.txt"
+    for code in [f"open({str(outside)!r}, 'w').write('x')", f"import os; os.open({str(outside)!r}, os.O_CREAT | os.O_WRONLY)",
+                 "import os; os.system('touch " + str(outside) + "')", "import subprocess; subprocess.run(['true'])",
+                 "import ctypes"]:
+        result, ok = agentflow.python_tool(code, timeout=5)
+        assert not ok and "sandbox" in result, code
+    assert not outside.exists()
+    result, ok = agentflow.python_tool("open('inside.txt', 'w').write('hi'); print(open('inside.txt').read())")
+    assert ok and result == "hi"
+
+
+def test_python_tool_sees_no_secrets_and_truncates_output():
+    os.environ["AGENTFLOW_TEST_SECRET"] = "s3cret"
+    try:
+        result, ok = agentflow.python_tool("import os; print(sorted(os.environ))")
+    finally:
+        del os.environ["AGENTFLOW_TEST_SECRET"]
+    assert ok and "AGENTFLOW_TEST_SECRET" not in result
+    result, _ = agentflow.python_tool("print('x' * 10000)", max_output=100)
+    assert len(result) < 130 and result.endswith("[truncated]")
+
+
+def test_answers_match():
+    assert agentflow.answers_match("42.0", "42") and agentflow.answers_match(" Paris. ", "paris")
+    assert not agentflow.answers_match("41", "42") and not agentflow.answers_match(None, "42")
+
+
+def test_toy_run_is_on_policy_and_deterministic(tmp_path):
+    runs = []
+    for name in ["a", "b"]:
+        summary = agentflow.train(toy_args(tmp_path / name, "--steps", "3", "--eval-every", "3", "--no-ablation"))
+        assert summary["first_step_ratio_max_dev"] < 1e-5  # re-padded training batch = the sampler's log-probs
+        runs.append([{k: v for k, v in json.loads(line).items() if k != "sec"}
+                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    assert runs[0] == runs[1]
+    assert {"accuracy_before", "accuracy_after", "mean_turns", "tool_error_rate", "wall_seconds"} <= set(summary)
+    assert "turn 1:" in (tmp_path / "b" / "rollouts.txt").read_text()
+
+
+@pytest.mark.slow
+def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
+    s = agentflow.train(toy_args(tmp_path))
+    assert s["accuracy_after"] >= s["accuracy_before"] + 0.25
+    assert s["accuracy_after"] > s["accuracy_final_turn_credit"]
+
+
+def tiny_planner(tmp_path):
+    words = "Question: Tools: Memory: Sub-goal: Tool: python retrieve generate STOP CONTINUE Answer: 1 2 3".split()
+    tokenizer = common.make_tokenizer(words)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "qa.jsonl").write_text('{"question": "1 2", "answer": "3"}\n{"question": "2 1", "answer": "3"}\n')
+    (tmp_path / "corpus.jsonl").write_text('{"text": "one two three"}\n')
+    return tmp_path / "tiny"
+
+
+def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
+    model = tiny_planner(tmp_path)
+    args = common.parse_args(agentflow.Args, agentflow.PRESETS, [
+        "--preset", "full", "--model", str(model), "--data", str(tmp_path / "qa.jsonl"),
+        "--eval-data", str(tmp_path / "qa.jsonl"), "--corpus", str(tmp_path / "corpus.jsonl"), "--steps", "1",
+        "--queries-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--lora-rank", "4",
+        "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
+    assert args.lr == 1e-6 and args.beta == 0.001 and args.clip_eps_high == 0.3  # paper defaults (§4.3)
+    summary = agentflow.train(args)
+    assert summary["first_step_ratio_max_dev"] < 1e-5 and 0 <= summary["accuracy_after"] <= 1
+    assert (tmp_path / "run" / "planner" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--group-size", "1"], "group-size"),
+    (["--temperature", "0"], "temperature"),
+    (["--preset", "full", "--data", ""], "needs --data"),
+    (["--preset", "full", "--data", "/nonexistent.jsonl", "--model", "/nonexistent/model"], "could not load"),
+])
+def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        agentflow.train(toy_args(tmp_path, *extra))
+
+
+def test_missing_and_malformed_data_files(tmp_path):
+    model = tiny_planner(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
+    for data, message in [("missing.jsonl", "not a file"), ("bad.jsonl", "bad.jsonl:1")]:
+        with pytest.raises(SystemExit, match=message):
+            agentflow.train(toy_args(tmp_path, "--preset", "full", "--model", str(model), "--lora-rank", "4",
+                                     "--data", str(tmp_path / data)))
