@@ -18,6 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) flowrl.py --quiet --algo grpo
 	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
 	$(PY) flow_grpo.py --quiet
+	$(PY) agentflow.py --quiet
 	@$(PY) common.py runs
 
 test: $(VENV)/.installed

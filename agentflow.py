@@ -627,7 +627,7 @@ def train(args):
     if args.model:
         world["planner"].save_pretrained(out_dir / "planner")  # the LoRA adapter
         world["tokenizer"].save_pretrained(out_dir / "planner")
-    if args.ablation:
+    if args.ablation and test:
         other = "final-turn" if args.credit == "broadcast" else "broadcast"
         world["planner"].load_state_dict(initial_state)
         common.seed_everything(args.seed)
@@ -637,15 +637,16 @@ def train(args):
         ablated = evaluate(world, test, args)[0]
         ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
-        plot_accuracy_comparison(logger.records, ablation_logger.records, args.credit, other, out_dir / "credit.png")
+        plot_accuracy_comparison(before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
+                                 out_dir / "credit.png")
     return logger.finish(summary, [("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
                                    ("turns.png", ["mean_turns", "eval_mean_turns"], "agentflow: planner turns per rollout")])
 
 
-def plot_accuracy_comparison(records, other_records, name, other, path):
-    """Held-out accuracy over training, reward broadcast vs final-turn credit."""
-    common.plot_curves({name: [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r],
-                        other: [(r["step"], r["eval_accuracy"]) for r in other_records if "eval_accuracy" in r]},
+def plot_accuracy_comparison(start, records, other_records, name, other, path):
+    """Held-out accuracy over training from the same start, reward broadcast vs final-turn credit."""
+    common.plot_curves({name: [(0, start)] + [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r],
+                        other: [(0, start)] + [(r["step"], r["eval_accuracy"]) for r in other_records if "eval_accuracy" in r]},
                        path, "held-out accuracy by credit assignment", "accuracy")
 
 

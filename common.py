@@ -441,6 +441,8 @@ DEMO_ROWS = [
                                s["wall_seconds"])),
     ("flow_grpo", lambda s: ("flow_grpo", "Flow-GRPO (images): ODE eval accuracy goes up",
                              f"{s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}", s["wall_seconds"])),
+    ("agentflow", lambda s: ("agentflow", "AgentFlow planner: held-out accuracy goes up",
+                             f"{s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}", s["wall_seconds"])),
 ]
 
 if __name__ == "__main__":
