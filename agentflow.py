@@ -32,7 +32,6 @@ Full scale (one GPU):                python agentflow.py --preset full --data tr
 import copy
 import dataclasses
 import json
-import os
 import random
 import re
 import subprocess
@@ -257,33 +256,13 @@ def warm_start(world, demos, seed, steps):
     optimizer = torch.optim.AdamW(planner.parameters(), lr=3e-3)
     for _ in range(steps):
         batch = [pairs[k] for k in torch.randint(len(pairs), (32,), generator=gen).tolist()]
-        ids, attn, mask = pack(tokenizer, [p for p, _ in batch], [tokenizer(c, add_special_tokens=False)["input_ids"]
+        ids, attn, mask = common.pack_completions(tokenizer, [p for p, _ in batch], [tokenizer(c, add_special_tokens=False)["input_ids"]
                                                                     for _, c in batch], planner.device)
         logp = common.completion_logprobs(planner, ids, attn)
         loss = -common.masked_mean(logp, mask)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-
-
-def pack(tokenizer, prompts, completions, device):
-    """Left-padded prompts + right-padded completion ids → (ids, attention, mask over the log-probs).
-
-    The mask is aligned with common.completion_logprobs (entry j scores token j+1): it marks exactly the
-    completion tokens, so only planner-written tokens are ever scored.
-    """
-    tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    width = max(len(c) for c in completions)
-    comp = torch.full((len(completions), width), tokenizer.pad_token_id)
-    comp_mask = torch.zeros(len(completions), width, dtype=torch.long)
-    for row, ids in enumerate(completions):
-        comp[row, :len(ids)] = torch.as_tensor(ids)
-        comp_mask[row, :len(ids)] = 1
-    ids = torch.cat([enc["input_ids"], comp], 1)
-    attn = torch.cat([enc["attention_mask"], comp_mask], 1)
-    mask = torch.cat([torch.zeros(len(prompts), enc["input_ids"].shape[1] - 1, dtype=torch.long), comp_mask], 1)
-    return ids.to(device), attn.to(device), mask.float().to(device)
 
 
 # ----------------------------------------------------------------------------- full scale: tools and LLM modules
@@ -483,24 +462,8 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
 
 def planner_sampler(world, temperature, max_new_tokens):
     """plan(prompts) → [(text, completion ids, log-probs at sampling time)], one batched `generate`."""
-    tokenizer, planner = world["tokenizer"], world["planner"]
-
-    @torch.no_grad()
-    def plan(prompts):
-        planner.eval()
-        seq, attn, mask, plen = common.sample_completions(planner, tokenizer, prompts, max_new_tokens, temperature)
-        if temperature > 0:
-            logp = common.completion_logprobs(planner, seq, attn, temperature=temperature)[:, plen - 1:]
-        else:
-            logp = torch.zeros(mask.shape)
-        out = []
-        for row in range(len(prompts)):
-            keep = mask[row].bool()
-            ids = seq[row, plen:][keep]
-            out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), logp[row][keep].float().cpu()))
-        return out
-
-    return plan
+    return lambda prompts: common.sample_with_logprobs(world["planner"], world["tokenizer"], prompts, max_new_tokens,
+                                                       temperature)
 
 
 # ----------------------------------------------------------------------------- training
@@ -562,7 +525,7 @@ def train_arm(args, world, credit, logger):
         if credit == "final-turn":  # the ablation: only each trajectory's last planner turn is trained
             last = torch.tensor(turns).cumsum(0) - 1
             rows = [rows[k] for k in last.tolist()]
-        ids, attn, mask = pack(tokenizer, [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows], device)
+        ids, attn, mask = common.pack_completions(tokenizer, [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows], device)
         old_logp = torch.zeros(mask.shape, device=device)
         for r, (turn, _) in enumerate(rows):
             old_logp[r, mask[r].bool()] = turn["old_logp"].to(device)

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- advantages
 
@@ -141,6 +140,45 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.
     else:
         completion_mask = torch.ones_like(completion)
     return seq, torch.cat([enc["attention_mask"], completion_mask], 1), completion_mask, prompt_len
+
+
+def pack_completions(tokenizer, prompts, completions, device):
+    """Left-padded prompts + right-padded completion ids → (ids, attention, mask over the log-probs).
+
+    The mask is aligned with common.completion_logprobs (entry j scores token j+1): it marks exactly the
+    completion tokens, so only model-written tokens are ever scored (not prompts, observations or reward tokens).
+    """
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    width = max(len(c) for c in completions)
+    comp = torch.full((len(completions), width), tokenizer.pad_token_id)
+    comp_mask = torch.zeros(len(completions), width, dtype=torch.long)
+    for row, ids in enumerate(completions):
+        comp[row, :len(ids)] = torch.as_tensor(ids)
+        comp_mask[row, :len(ids)] = 1
+    ids = torch.cat([enc["input_ids"], comp], 1)
+    attn = torch.cat([enc["attention_mask"], comp_mask], 1)
+    mask = torch.cat([torch.zeros(len(prompts), enc["input_ids"].shape[1] - 1, dtype=torch.long), comp_mask], 1)
+    return ids.to(device), attn.to(device), mask.float().to(device)
+
+
+def sample_with_logprobs(model, tokenizer, prompts, max_new_tokens, temperature):
+    """[(text, completion ids, their log-probs at sampling time)] per prompt: one batched `generate`.
+
+    The log-probs are scored right after sampling in the sampler's own padded batch; a training batch
+    built later with `pack_completions` must reproduce them (ratio = 1 on-policy). Greedy (T = 0): zeros.
+    """
+    model.eval()
+    with torch.no_grad():
+        seq, attn, mask, plen = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature)
+        logp = (completion_logprobs(model, seq, attn, temperature=temperature)[:, plen - 1:] if temperature > 0
+                else torch.zeros(mask.shape))
+    out = []
+    for row in range(len(prompts)):
+        keep = mask[row].bool()
+        ids = seq[row, plen:][keep]
+        out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), logp[row][keep].float().cpu()))
+    return out
 
 
 # ----------------------------------------------------------------------------- the GRPO objective

@@ -41,7 +41,7 @@ def test_turns_of_different_lengths_batch_with_masks_that_score_only_planner_tok
     model = common.tiny_causal_lm(len(tokenizer)).eval()
     prompts = ["q a", "q a b c d", "q"]
     completions = [tokenizer.convert_tokens_to_ids(x) for x in (["b"], ["c", "d"], ["e", "a", "b"])]
-    ids, attn, mask = agentflow.pack(tokenizer, prompts, completions, "cpu")
+    ids, attn, mask = common.pack_completions(tokenizer, prompts, completions, "cpu")
     assert mask.sum(1).tolist() == [1, 2, 3]
     with torch.no_grad():
         batched = common.completion_logprobs(model, ids, attn)
