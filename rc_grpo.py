@@ -29,6 +29,9 @@ Deviations (numbered, on purpose):
        (18/23/17/22) come from a split it does not publish.
     3. Each assistant step is trained as its own (history → step) sample (the same tokens a whole-dialogue
        pass with an assistant mask would score), so rollouts and training batches share one padding path.
+       Failures for RCTP-FT are replayed from their parsed calls (unparseable steps are dropped).
+    4. With LoRA (full scale) the KL reference is the adapter-off model, i.e. the instruct model before
+       stage 1; on the toy it is a frozen copy of the stage-1 model, as the paper.
 
 Toy (default, CPU, four arms):   python rc_grpo.py
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
@@ -40,6 +43,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -66,9 +70,10 @@ class Args:
     rctp_epochs: int = dataclasses.field(default=5, metadata={"help": "RCTP-FT epochs (paper: 5)"})
     sft_batch: int = dataclasses.field(default=16, metadata={"help": "stage-1 batch (paper: 16)"})
     failure_rollouts: int = dataclasses.field(default=4, metadata={"help": "base-model rollouts per train task to find failures"})
-    max_steps: int = dataclasses.field(default=20, metadata={"help": "model steps per entry (BFCL: 20)"})
-    max_new_tokens: int = dataclasses.field(default=16, metadata={"help": "tokens per model step"})
+    max_steps: int = dataclasses.field(default=6, metadata={"help": "model steps per entry (BFCL: 20)"})
+    max_new_tokens: int = dataclasses.field(default=10, metadata={"help": "tokens per model step"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "rollout temperature; evaluation is greedy"})
+    max_tasks: int = dataclasses.field(default=0, metadata={"help": "use only the first N train and N test tasks (0 = all)"})
     toy_tasks: int = dataclasses.field(default=240, metadata={"help": "toy: generated tasks (80% train, 20% test)"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
@@ -80,7 +85,7 @@ class Args:
 # Paper recipe (REFERENCES.md §3.2–§3.3): G = 5, p = 0.5, lr 1e-6, β 0.1, clip 0.2; RCTP-FT lr 1e-5, batch 16,
 # 5 epochs; SFT 2 epochs. Qwen2.5-7B-Instruct; LoRA so that one GPU holds policy and reference.
 PRESETS = {"bfcl": dict(model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
-                        lr=1e-6, sft_lr=1e-5, failure_rollouts=2, max_new_tokens=256, lora_rank=64)}
+                        lr=1e-6, sft_lr=1e-5, failure_rollouts=2, max_steps=20, max_new_tokens=256, lora_rank=64)}
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 REWARD_TOKENS = (HIGH, LOW)
@@ -306,3 +311,383 @@ def bfcl_check(entry, calls_per_turn):
                 return 0.0
             remaining.remove(result)
     return 1.0
+
+
+# ----------------------------------------------------------------------------- the toy task: files on a real GorillaFileSystem
+
+TOY_FILES = ["report.txt", "notes.md", "data.csv", "todo.txt", "draft.doc"]
+TOY_DIRS = ["docs", "work", "temp", "misc"]
+
+
+def toy_entries(n, seed):
+    """BFCL-format entries on the real GorillaFileSystem: "delete F", F in one of four folders.
+
+    The twist (partial observability): the file is in `docs` 60% of the time, elsewhere otherwise, and
+    the user never says where. The ground truth (what an expert who knows the folder does) is
+    [cd(folder=D), rm(file_name=F)]; a policy that looks first (`find`) can succeed every time.
+    """
+    rng = random.Random(seed)
+    entries = []
+    for k in range(n):
+        target = rng.choice(TOY_FILES)
+        folder = "docs" if rng.random() < 0.6 else rng.choice(TOY_DIRS[1:])
+        contents = {d: {"type": "directory", "contents": {}} for d in TOY_DIRS}
+        contents[folder]["contents"][target] = {"type": "file", "content": f"{target} content"}
+        for other in rng.sample([f for f in TOY_FILES if f != target], 2):
+            contents[rng.choice(TOY_DIRS)]["contents"][other] = {"type": "file", "content": f"{other} content"}
+        entries.append({
+            "id": f"toy_{k}", "category": "toy", "involved_classes": ["GorillaFileSystem"],
+            "initial_config": {"GorillaFileSystem": {"root": {"workspace": {"type": "directory", "contents": contents}}}},
+            "question": [[{"role": "user", "content": f"delete {target}"}]],
+            "ground_truth": [[f"cd(folder='{folder}')", f"rm(file_name='{target}')"]]})
+    cut = int(0.8 * n)
+    return entries[:cut], entries[cut:]
+
+
+def toy_call_text(call):
+    """A call as the toy LM writes it: one word per token, still valid Python (`[ cd ( folder = 'docs' ) ]`)."""
+    name, args, kwargs = parse_calls(call)[0]
+    return "[ " + name + " ( " + " , ".join([repr(a) for a in args] + [f"{k} = {v!r}" for k, v in kwargs.items()]) + " ) ]"
+
+
+def toy_observation(text):
+    """The toy LM reads tool results as words it knows (folder and file names survive)."""
+    return " ".join(re.findall(r"[A-Za-z_]+(?:\.[a-z]+)?", text)) or "None"
+
+
+def sloppy_agent_steps(entry, rng):
+    """The toy's "base model" behaviour: syntax-correct but careless (sometimes looks first, often guesses)."""
+    target = entry["question"][0][0]["content"].split()[-1]
+    folder = parse_calls(entry["ground_truth"][0][0])[0][2]["folder"]
+    steps = []
+    if rng.random() < 0.4:
+        steps.append(f"find(name={target!r})")
+        steps.append(f"cd(folder={folder if rng.random() < 0.6 else rng.choice(TOY_DIRS)!r})")
+    else:
+        steps.append(f"cd(folder={rng.choice(TOY_DIRS)!r})")
+    steps.append(f"rm(file_name={target if rng.random() < 0.7 else rng.choice(TOY_FILES)!r})")
+    return steps
+
+
+def build_toy(args, device):
+    """Tiny Qwen2 "base model" pretrained on a careless agent's trajectories (real env observations)."""
+    train, test = toy_entries(args.toy_tasks, args.seed)
+    words = ["user", "asst", "tool", "delete", "done", "[", "]", "(", ")", ",", "=", "[Reward", "Goal:", "None",
+             "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name", *TOY_DIRS, *TOY_FILES,
+             *[repr(w) for w in TOY_DIRS + TOY_FILES]]
+    tokenizer = common.make_tokenizer(words, special_tokens=REWARD_TOKENS)
+    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed)
+
+    def render(messages):
+        return " ".join(f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages) + " asst"
+
+    world = {"train": train, "test": test, "tokenizer": tokenizer, "model": model, "render": render,
+             "system": [], "call_text": toy_call_text, "observation": toy_observation, "end_text": "done"}
+    rng = random.Random(args.seed)
+    base_data = [trajectory_samples(world, e, None, sloppy_agent_steps(e, rng)) for e in train for _ in range(3)]
+    supervised_finetune(world, [s for traj in base_data for s in traj], epochs=8, lr=3e-3, batch=32, seed=args.seed)
+    return world
+
+
+# ----------------------------------------------------------------------------- full scale: BFCL v4 with an instruct model
+
+
+def build_bfcl(args, device):
+    """An HF instruct model (reward tokens added to its vocabulary) on the real BFCL v4 split."""
+    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+
+    tokenizer, model = common.load_causal_lm(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(REWARD_TOKENS)})
+    model.resize_token_embeddings(len(tokenizer))
+    train, test = split_entries(load_bfcl_entries())
+
+    def system(entry, docs):
+        return [{"role": "system", "content": (
+            "You are an expert in composing functions. Based on the question, make one or more function calls to "
+            "achieve the purpose. If none of the functions can be used, or the question lacks required parameters, "
+            "point it out. To call functions, reply ONLY with a Python list in the format [func_name1(param=value, "
+            "...), func_name2(param=value)]. Keep calling functions until the user's request is fulfilled; when you "
+            "have no more calls to make, reply in plain text and the turn ends.\nHere is a list of functions in JSON "
+            f"format that you can invoke.\n{json.dumps(docs)}")}]
+
+    return {"train": train, "test": test, "tokenizer": tokenizer, "model": model, "system": system,
+            "render": lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+            "call_text": lambda call: "[" + call + "]", "observation": lambda text: text[:2000], "end_text": "Done.",
+            "reveal_message": DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC}
+
+
+# ----------------------------------------------------------------------------- rollouts, one protocol for both
+
+
+def add_reward_token(content, token):
+    """The first user message + `[Reward Goal: <|…|>]` (§3.2); token None = no conditioning."""
+    return content if token is None else f"{content} [Reward Goal: {token}]"
+
+
+def user_messages(world, entry, turn, token, env):
+    """The messages that open user turn `turn`; miss_func's held-out docs arrive on the turn the data says."""
+    revealed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
+    if turn in revealed:
+        env.reveal(revealed[turn])
+        _, later = function_docs(entry)
+        return [{"role": "user", "content": json.dumps(later[turn]) + "\n" + world.get("reveal_message", "")}]
+    messages = [dict(m) for m in entry["question"][turn]]
+    if turn == 0 and messages:
+        messages[0]["content"] = add_reward_token(messages[0]["content"], token)
+    return messages
+
+
+def looks_like_calls(text):
+    """BFCL ends a turn when the output decodes to no call; anything call-shaped is parsed (and may fail)."""
+    text = text.strip().strip("`").removeprefix("python").strip()
+    return text.startswith("[") or bool(re.match(r"^[A-Za-z_]\w*\s*\(", text))
+
+
+def initial_messages(world, entry):
+    return world["system"](entry, function_docs(entry)[0]) if callable(world["system"]) else []
+
+
+def run_rollouts(world, entries, tokens, temperature, max_steps, max_new_tokens):
+    """Play each entry under its reward token with the BFCL protocol: per user turn, generate → parse →
+    execute → append results, until the model emits no call; at most `max_steps` model steps per entry.
+
+    All rollouts advance together (one batched `generate` per step). Returns, per rollout, its steps
+    (prompt, completion ids, sampling log-probs), `calls_per_turn`, and R = trajectory_reward.
+    """
+    runs = []
+    for entry, token in zip(entries, tokens):
+        env = BFCLEnv(entry)
+        runs.append({"entry": entry, "token": token, "env": env, "turn": 0, "steps": [], "done": False,
+                     "calls_per_turn": [[] for _ in entry["question"]],
+                     "messages": initial_messages(world, entry) + user_messages(world, entry, 0, token, env)})
+    while active := [r for r in runs if not r["done"]]:
+        outputs = common.sample_with_logprobs(world["model"], world["tokenizer"], [world["render"](r["messages"]) for r in active],
+                                              max_new_tokens, temperature)
+        for run, (text, ids, logp) in zip(active, outputs):
+            run["steps"].append({"prompt": world["render"](run["messages"]), "ids": ids, "old_logp": logp})
+            run["messages"].append({"role": "assistant", "content": text})
+            if looks_like_calls(text):
+                try:
+                    calls = parse_calls(text)
+                    results = run["env"].execute(calls)
+                    run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
+                except ValueError as err:  # hostile or malformed output: the error is the observation
+                    results = [f"Error: {err}"]
+                run["messages"].append({"role": "tool", "content": world["observation"]("\n".join(results))})
+            else:
+                run["turn"] += 1
+                if run["turn"] < len(run["entry"]["question"]):
+                    run["messages"] += user_messages(world, run["entry"], run["turn"], run["token"], run["env"])
+                else:
+                    run["done"] = True
+            if len(run["steps"]) >= max_steps:
+                run["done"] = True
+    for run in runs:
+        run["reward"] = trajectory_reward(run["entry"], run["calls_per_turn"])
+    return runs
+
+
+def trajectory_samples(world, entry, token, steps_per_turn):
+    """(prompt, completion ids) for each assistant step of a scripted trajectory: the stage-1 data.
+
+    `steps_per_turn`: a list of call strings (one user turn) or a list of such lists (one per turn); each
+    call is one assistant step, then the end-of-turn text. Observations come from a real execution.
+    """
+    if steps_per_turn and isinstance(steps_per_turn[0], str):
+        steps_per_turn = [steps_per_turn]
+    env = BFCLEnv(entry)
+    messages = initial_messages(world, entry)
+    samples, tokenizer = [], world["tokenizer"]
+    for turn in range(len(entry["question"])):
+        messages += user_messages(world, entry, turn, token, env)
+        for text in [world["call_text"](c) for c in (steps_per_turn[turn] if turn < len(steps_per_turn) else [])] + [world["end_text"]]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            samples.append({"prompt": world["render"](messages), "ids": ids})
+            messages.append({"role": "assistant", "content": text})
+            if text != world["end_text"]:
+                messages.append({"role": "tool", "content": world["observation"]("\n".join(env.execute(parse_calls(text))))})
+    return samples
+
+
+def supervised_finetune(world, samples, epochs, lr, batch, seed):
+    """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1 (§3.2)."""
+    model, tokenizer = world["model"], world["tokenizer"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(samples), generator=gen).tolist()
+        for start in range(0, len(order), batch):
+            chunk = [samples[i] for i in order[start:start + batch]]
+            ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s in chunk], [s["ids"] for s in chunk],
+                                                      model.device)
+            loss = -common.masked_mean(common.completion_logprobs(model, ids, attn), mask)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+
+
+def build_rctp_data(world, entries, args):
+    """Expert trajectories (ground truth, <|high_reward|>) and the base model's failures (R = 0,
+    <|low_reward|>), 1:1 (§3.2). Returns (samples, number of failures found)."""
+    rollouts = run_rollouts(world, [e for e in entries for _ in range(args.failure_rollouts)],
+                            [None] * len(entries) * args.failure_rollouts, 1.0, args.max_steps, args.max_new_tokens)
+    failures = [r for r in rollouts if r["reward"] == 0]
+    random.Random(args.seed).shuffle(failures)
+    failures = failures[:len(entries)]
+    experts = entries[:len(failures)] if failures else entries
+    samples = [s for e in experts for s in trajectory_samples(world, e, HIGH, e["ground_truth"])]
+    for run in failures:
+        samples += trajectory_samples(world, run["entry"], LOW, run["calls_per_turn"])
+    return samples, len(failures)
+
+
+# ----------------------------------------------------------------------------- the algorithm core (§3.3)
+
+
+def sample_reward_tokens(n, p, generator):
+    """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (§3.3)."""
+    draws = torch.rand(n, generator=generator) < p
+    return [HIGH if d else LOW for d in draws.tolist()]
+
+
+def evaluate(world, entries, token, args):
+    """Greedy rollouts under `token` scored with the official checker's semantics (bfcl_check)."""
+    runs = run_rollouts(world, entries, [token] * len(entries), 0.0, args.max_steps, args.max_new_tokens)
+    return sum(bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs) / len(runs)
+
+
+def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger):
+    """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed (GRPO),
+    one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3)."""
+    model, tokenizer = world["model"], world["tokenizer"]
+    reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed)
+    first_ratio_dev, zero_var = 0.0, []
+    for step in range(1, args.steps + 1):
+        pick = torch.randint(len(world["train"]), (args.tasks_per_step,), generator=gen).tolist()
+        entries = [world["train"][i] for i in pick for _ in range(args.group_size)]
+        tokens = (sample_reward_tokens(len(entries), args.p_high, gen) if reward_conditioned
+                  else [HIGH if use_tokens else None] * len(entries))
+        runs = run_rollouts(world, entries, tokens, args.temperature, args.max_steps, args.max_new_tokens)
+        rewards = torch.tensor([r["reward"] for r in runs])
+        advantages = common.group_advantages(rewards, args.group_size)  # one group per task, across tokens
+        rows = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
+        ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows],
+                                                  model.device)
+        old_logp = torch.zeros(mask.shape, device=model.device)
+        for k, (s, _) in enumerate(rows):
+            old_logp[k, mask[k].bool()] = s["old_logp"].to(model.device)
+        with torch.no_grad():
+            if reference is not None:
+                ref_logp = common.completion_logprobs(reference, ids, attn, temperature=args.temperature)
+            else:
+                with model.disable_adapter():
+                    ref_logp = common.completion_logprobs(model, ids, attn, temperature=args.temperature)
+        model.train()
+        logp = common.completion_logprobs(model, ids, attn, temperature=args.temperature)
+        first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
+        loss, stats = common.clipped_policy_loss(logp, old_logp, torch.tensor([a for _, a in rows], device=model.device),
+                                                 mask, args.clip_eps)
+        kl = common.masked_mean(common.kl_penalty(logp, ref_logp), mask)
+        loss = loss + args.beta * kl
+        if not torch.isfinite(loss):
+            raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+        zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
+        by_token = {t: [r["reward"] for r in runs if r["token"] == t] for t in REWARD_TOKENS}
+        logger.log(step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(), kl=kl.item(),
+                   entropy=-common.masked_mean(old_logp, mask).item(),  # −mean log π of sampled tokens
+                   success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
+                   success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])), first_ratio_dev=first_ratio_dev, **stats)
+    return {"zero_variance_fraction": sum(zero_var) / len(zero_var), "first_step_ratio_max_dev": first_ratio_dev}
+
+
+def validate(args):
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    common.check_args([
+        (all(a in ("sft+grpo", "sft+rc-grpo", "rctp+grpo", "rctp+rc-grpo") for a in arms) and arms,
+         f"--arms must list sft+grpo, sft+rc-grpo, rctp+grpo or rctp+rc-grpo (got {args.arms!r})"),
+        (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+        (0 < args.p_high < 1, f"--p-high must be in (0, 1) (got {args.p_high})"),
+        (args.lr > 0 and args.sft_lr > 0 and args.clip_eps > 0 and args.beta >= 0, "--lr, --sft-lr, --clip-eps must be > 0"),
+        (args.temperature > 0, "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
+        (args.steps >= 1 and args.max_steps >= 1 and args.failure_rollouts >= 1, "--steps, --max-steps, --failure-rollouts ≥ 1"),
+    ])
+    return arms
+
+
+def train(args):
+    """Base → {SFT, RCTP-FT} (stage 1) → {GRPO, RC-GRPO} (stage 2) for each arm of Table 1; held-out accuracy."""
+    arms = validate(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    world = build_bfcl(args, device) if args.model else build_toy(args, device)
+    model = world["model"].to(device)
+    if args.max_tasks:
+        world["train"], world["test"] = world["train"][:args.max_tasks], world["test"][:args.max_tasks]
+    out_dir = Path(args.out_dir)
+    config = dataclasses.asdict(args) | {"preset": args.preset}
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = world["model"] = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
+    states = {"base": copy.deepcopy(model.state_dict())}
+    summary = {"base_accuracy": evaluate(world, world["test"], None, args)}
+    needed = {a.split("+")[0] for a in arms}
+    if "sft" in needed:  # the baseline: expert trajectories only, no token
+        expert = [s for e in world["train"] for s in trajectory_samples(world, e, None, e["ground_truth"])]
+        supervised_finetune(world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed)
+        states["sft"] = copy.deepcopy(model.state_dict())
+        summary["sft_accuracy"] = evaluate(world, world["test"], None, args)
+    if "rctp" in needed:
+        model.load_state_dict(states["base"])
+        samples, n_failures = build_rctp_data(world, world["train"], args)
+        supervised_finetune(world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed)
+        states["rctp"] = copy.deepcopy(model.state_dict())
+        high, low = evaluate(world, world["test"], HIGH, args), evaluate(world, world["test"], LOW, args)
+        summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
+    curves = {}
+    for arm in arms:
+        init, algo = arm.split("+")
+        model.load_state_dict(states[init])
+        use_tokens = init == "rctp" or algo == "rc-grpo"
+        common.seed_everything(args.seed)
+        logger = common.RunLogger(out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet)
+        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger)
+        result["accuracy"] = evaluate(world, world["test"], HIGH if use_tokens else None, args)
+        if use_tokens:  # what the same weights do when asked for a low reward (not used for the result)
+            result["accuracy_under_low_token"] = evaluate(world, world["test"], LOW, args)
+        summary[arm] = logger.finish(result, [("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
+                                              ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")])
+        curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
+        if args.model:
+            model.save_pretrained(out_dir / arm / "policy")
+            world["tokenizer"].save_pretrained(out_dir / arm / "policy")
+    common.plot_curves(curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step", "fraction")
+    summary["test_tasks"] = len(world["test"])
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if not args.quiet:
+        print(results_table(summary, arms))
+    return summary
+
+
+def results_table(summary, arms):
+    """Table 1 in miniature: held-out accuracy and mean zero-variance fraction per arm."""
+    lines = [f"{'arm':<14} {'accuracy':>9} {'zero-var':>9}"]
+    lines += [f"{a:<14} {summary[a]['accuracy']:>9.3f} {summary[a]['zero_variance_fraction']:>9.3f}" for a in arms]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    result = train(common.parse_args(Args, PRESETS))
+    print(json.dumps(result, indent=2))
