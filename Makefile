@@ -19,6 +19,7 @@ demo: $(VENV)/.installed
 	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
 	$(PY) flow_grpo.py --quiet
 	$(PY) agentflow.py --quiet
+	$(PY) rc_grpo.py --quiet
 	@$(PY) common.py runs
 
 test: $(VENV)/.installed

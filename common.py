@@ -481,6 +481,9 @@ DEMO_ROWS = [
                              f"{s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}", s["wall_seconds"])),
     ("agentflow", lambda s: ("agentflow", "AgentFlow planner: held-out accuracy goes up",
                              f"{s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}", s["wall_seconds"])),
+    ("rc_grpo", lambda s: ("rc_grpo", "RC-GRPO: zero-var. fraction, SFT+GRPO → RCTP+RC",
+                           f"{s['sft+grpo']['zero_variance_fraction']:.3f} → {s['rctp+rc-grpo']['zero_variance_fraction']:.3f}",
+                           s["wall_seconds"])),
 ]
 
 if __name__ == "__main__":

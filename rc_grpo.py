@@ -44,6 +44,7 @@ import inspect
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -393,12 +394,11 @@ def build_toy(args, device):
 
 
 def build_bfcl(args, device):
-    """An HF instruct model (reward tokens added to its vocabulary) on the real BFCL v4 split."""
+    """An HF instruct model on the real BFCL v4 split. The reward tokens stay plain text (a few sub-word
+    tokens each): new embedding rows would not be trained by LoRA on the linear layers."""
     from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
 
     tokenizer, model = common.load_causal_lm(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(REWARD_TOKENS)})
-    model.resize_token_embeddings(len(tokenizer))
     train, test = split_entries(load_bfcl_entries())
 
     def system(entry, docs):
@@ -628,6 +628,7 @@ def validate(args):
 def train(args):
     """Base → {SFT, RCTP-FT} (stage 1) → {GRPO, RC-GRPO} (stage 2) for each arm of Table 1; held-out accuracy."""
     arms = validate(args)
+    start = time.time()
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     world = build_bfcl(args, device) if args.model else build_toy(args, device)
@@ -674,7 +675,7 @@ def train(args):
             model.save_pretrained(out_dir / arm / "policy")
             world["tokenizer"].save_pretrained(out_dir / arm / "policy")
     common.plot_curves(curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step", "fraction")
-    summary["test_tasks"] = len(world["test"])
+    summary |= {"test_tasks": len(world["test"]), "wall_seconds": round(time.time() - start, 2)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.quiet:
         print(results_table(summary, arms))

@@ -1,0 +1,205 @@
+"""rc_grpo.py: the BFCL environment and rewards on the real 800 entries, hostile model output, reward
+tokens, the variance bound, the toy end to end and the full-scale path with a tiny random Qwen2."""
+import json
+
+import pytest
+import torch
+
+import common
+import rc_grpo
+
+
+@pytest.fixture(scope="module")
+def entries():
+    return rc_grpo.load_bfcl_entries()
+
+
+def test_all_800_entries_load_and_split_720_80(entries):
+    assert len(entries) == 800
+    assert {e["category"] for e in entries} == set(rc_grpo.CATEGORIES)
+    train, test = rc_grpo.split_entries(entries)
+    assert len(train) == 720 and len(test) == 80
+    assert {c: sum(e["category"] == c for e in test) for c in rc_grpo.CATEGORIES} == dict.fromkeys(rc_grpo.CATEGORIES, 20)
+
+
+def test_ground_truth_replay_scores_one_on_every_entry_for_both_rewards(entries):
+    assert [e["id"] for e in entries if rc_grpo.trajectory_reward(e, e["ground_truth"]) != 1.0] == []
+    assert [e["id"] for e in entries if rc_grpo.bfcl_check(e, e["ground_truth"]) != 1.0] == []
+
+
+def test_dropping_a_state_changing_call_scores_zero(entries):
+    entry = next(e for e in entries if e["id"] == "multi_turn_base_0")
+    dropped = [list(turn) for turn in entry["ground_truth"]]
+    dropped[0].remove("mkdir(dir_name='temp')")  # the mv then fails: the folder never exists
+    assert rc_grpo.trajectory_reward(entry, dropped) == 0.0
+    assert rc_grpo.bfcl_check(entry, dropped) == 0.0
+    assert rc_grpo.bfcl_check(entry, entry["ground_truth"][:-1]) == 0.0  # a missing last turn
+
+
+def toy_entry(files):
+    contents = {"docs": {"type": "directory", "contents": {f: {"type": "file", "content": f"{f} text"} for f in files}}}
+    return {"id": "t_0", "category": "toy", "involved_classes": ["GorillaFileSystem"],
+            "initial_config": {"GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}},
+            "question": [[{"role": "user", "content": "x"}]]}
+
+
+def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
+    entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]}
+    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]]) == 1.0
+    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()"]]) == 0.0  # a ground-truth call is missing
+
+
+def test_positional_and_keyword_arguments_both_dispatch_and_compare_equal():
+    entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm('a.txt')"]]}
+    env = rc_grpo.BFCLEnv(entry)
+    assert env.execute(rc_grpo.parse_calls("[cd('docs')]")) == env.execute(rc_grpo.parse_calls("[cd(folder='.')]"))
+    assert "a.txt" in env.execute(rc_grpo.parse_calls("ls()"))[0]
+    assert rc_grpo.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
+
+
+HOSTILE = [
+    "[__import__('os').system('touch {marker}')]",
+    "[cd(folder=__import__('os').system('touch {marker}'))]",
+    "[os.system('touch {marker}')]",
+    "[cd(folder='a').__class__]",
+    "[cd(folder=(lambda: 1)())]",
+    "[cd(folder=[x for x in 'ab'])]",
+    "[cd(folder=1 + 2)]",
+    "[cd(folder=9 ** 9 ** 9)]",
+    "[_load_scenario({{}})]",
+    "[__init__()]",
+    "[cd(*['a'])]",
+    "[cd(**{{'folder': 'a'}})]",
+    "[cd(folder=ls())]",
+    "[" * 5000 + "]" * 5000,
+    "[cd(folder='" + "a" * 20000 + "')]",
+    "[exec('print(1)') for _ in 'a']",
+]
+
+
+def test_hostile_output_is_rejected_without_side_effects(tmp_path):
+    marker = tmp_path / "pwned"
+    for template in HOSTILE:
+        with pytest.raises(ValueError):
+            rc_grpo.parse_calls(template.format(marker=marker) if "{marker}" in template else template.replace("{{", "{").replace("}}", "}"))
+    assert not marker.exists()
+    # names that parse but are not allow-listed methods: an error result, not a call
+    env = rc_grpo.BFCLEnv(toy_entry(["a.txt"]))
+    calls = rc_grpo.parse_calls(f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]")
+    assert all(r.startswith("Error during execution") for r in env.execute(calls))
+    assert not marker.exists()
+
+
+def test_hostile_output_in_a_rollout_becomes_an_observation_and_the_rollout_continues(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    script = iter([f"[__import__('os').system('touch {marker}')]", "[cd(folder='docs')]", "[rm(file_name='a.txt')]", "done"])
+    entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
+    world = {"render": lambda messages: "", "system": [], "observation": lambda text: text}
+    monkeypatch.setattr(common, "sample_with_logprobs",
+                        lambda model, tok, prompts, n, t: [(next(script), [], torch.zeros(0)) for _ in prompts])
+    (run,) = rc_grpo.run_rollouts(world | {"model": None, "tokenizer": None}, [entry], [None], 1.0, 10, 8)
+    assert run["messages"][2]["role"] == "tool" and run["messages"][2]["content"].startswith("Error: ")
+    assert run["reward"] == 1.0 and len(run["steps"]) == 4
+    assert not marker.exists()
+
+
+def test_two_rollouts_of_one_task_do_not_share_state():
+    entry = toy_entry(["a.txt"])
+    first, second = rc_grpo.BFCLEnv(entry), rc_grpo.BFCLEnv(entry)
+    first.execute(rc_grpo.parse_calls("[cd(folder='docs'), rm(file_name='a.txt')]"))
+    second.execute(rc_grpo.parse_calls("[cd(folder='docs')]"))
+    assert "a.txt" in second.execute(rc_grpo.parse_calls("[ls()]"))[0]
+    assert first.state() != second.state()
+    assert "a.txt" in json.dumps(entry["initial_config"])  # the entry itself is untouched
+
+
+def test_miss_func_functions_are_callable_only_after_their_turn(entries):
+    entry = next(e for e in entries if e["category"] == "miss_func")
+    (turn, names), = entry["missed_function"].items()
+    env = rc_grpo.BFCLEnv(entry)
+    assert names[0] not in env.methods
+    shown, later = rc_grpo.function_docs(entry)
+    assert names[0] not in [d["name"] for d in shown] and [d["name"] for d in later[int(turn)]] == names
+    env.reveal(names)
+    assert names[0] in env.methods
+
+
+def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
+    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--toy-tasks", "10"])
+    train, _ = rc_grpo.toy_entries(10, 0)
+    tokenizer = common.make_tokenizer(["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS)
+    world = {"tokenizer": tokenizer, "system": [], "render": lambda ms: " ".join(m["content"] for m in ms),
+             "call_text": rc_grpo.toy_call_text, "observation": rc_grpo.toy_observation, "end_text": "done"}
+    samples = rc_grpo.trajectory_samples(world, train[0], rc_grpo.HIGH, train[0]["ground_truth"])
+    assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>]")
+    token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
+    ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu")
+    scored = ids[:, 1:][mask.bool()]
+    assert token_ids & set(ids.flatten().tolist()) and not token_ids & set(scored.tolist())
+    assert args.p_high == 0.5
+
+
+def test_reward_tokens_are_iid_with_probability_p():
+    tokens = rc_grpo.sample_reward_tokens(20000, 0.3, torch.Generator().manual_seed(0))
+    assert tokens.count(rc_grpo.HIGH) / len(tokens) == pytest.approx(0.3, abs=0.01)
+
+
+def test_variance_bound_of_proposition_4_3_holds_in_simulation():
+    # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (REFERENCES.md §3.1)
+    gen = torch.Generator().manual_seed(0)
+    G, p, s_high, s_low = 5, 0.5, 0.9, 0.3
+    high = torch.rand(200000, G, generator=gen) < p
+    success = torch.rand(200000, G, generator=gen) < torch.where(high, s_high, s_low)
+    mean_var = success.float().var(dim=1, unbiased=False).mean().item()
+    assert mean_var >= (G - 1) / G * p * (1 - p) * (s_high - s_low) ** 2
+    peaked = (torch.rand(200000, G, generator=gen) < 0.9).float().var(dim=1, unbiased=False).mean().item()
+    assert peaked < mean_var  # without tokens a peaked policy's groups have less variance
+
+
+def test_toy_run_is_on_policy_and_deterministic(tmp_path):
+    runs = []
+    for name in ["a", "b"]:
+        args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
+            "--quiet", "--toy-tasks", "20", "--steps", "2", "--tasks-per-step", "2", "--arms", "rctp+rc-grpo",
+            "--failure-rollouts", "1", "--out-dir", str(tmp_path / name)])
+        summary = rc_grpo.train(args)
+        assert summary["rctp+rc-grpo"]["first_step_ratio_max_dev"] < 1e-5
+        runs.append([{k: v for k, v in json.loads(line).items() if k != "sec"}
+                     for line in (tmp_path / name / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()])
+    assert runs[0] == runs[1]
+    assert {"token_gap", "wall_seconds"} <= set(summary) | set(summary["rctp+rc-grpo"])
+
+
+@pytest.mark.slow
+def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
+    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--arms", "sft+grpo,rctp+rc-grpo",
+                                                             "--out-dir", str(tmp_path)])
+    s = rc_grpo.train(args)
+    assert s["sft+grpo"]["zero_variance_fraction"] > s["rctp+rc-grpo"]["zero_variance_fraction"] + 0.1
+    assert s["token_gap"] > 0  # RCTP-FT learned to condition on the token (ε > 0)
+
+
+def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
+    words = json.dumps(rc_grpo.load_bfcl_entries(["base"])[0]).split()[:2000]
+    tokenizer = common.make_tokenizer(words)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
+    common.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
+        "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps", "1", "--tasks-per-step", "1",
+        "--group-size", "2", "--failure-rollouts", "1", "--max-steps", "2", "--max-new-tokens", "4", "--lora-rank", "4",
+        "--rctp-epochs", "1", "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
+    assert args.group_size == 2 and args.beta == 0.1 and args.lr == 1e-6  # G = 5, β, lr: paper defaults (§3.3)
+    summary = rc_grpo.train(args)
+    assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["first_step_ratio_max_dev"] < 1e-5
+    assert (tmp_path / "run" / "rctp+rc-grpo" / "policy" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arms", "sft+ppo"], "--arms"), (["--group-size", "1"], "group-size"), (["--p-high", "1.5"], "p-high"),
+    (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load"),
+])
+def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
+    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+    with pytest.raises(SystemExit, match=message):
+        rc_grpo.train(args)
