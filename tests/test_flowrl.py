@@ -88,6 +88,15 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
         assert (tmp_path / "a" / name).exists()
 
 
+@pytest.mark.slow
+def test_toy_flowrl_matches_the_target_and_grpo_does_not(tmp_path):
+    flow = flowrl.train(toy_args(tmp_path / "flowrl"))
+    grpo = flowrl.train(toy_args(tmp_path / "grpo", "--algo", "grpo"))
+    assert flow["kl_policy_to_target"] < 0.6 * flow["before"]["kl_policy_to_target"]  # well below its start
+    assert grpo["kl_policy_to_target"] > 3 * flow["kl_policy_to_target"]
+    assert flow["modes_covered"] > grpo["modes_covered"]
+
+
 def test_math_answer_checker():
     assert flowrl.math_reward("so the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert flowrl.math_reward("\\boxed{x^{2}}", "x^{2}") == 1.0
