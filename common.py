@@ -388,6 +388,14 @@ class RunLogger:
             line = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
             self.bar.write(line)
 
+    def restore(self, records):
+        """Continue a resumed run: the metrics logged before the checkpoint are written again first."""
+        for record in records:
+            self.records.append(record)
+            self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        self.bar.update(records[-1]["step"] if records else 0)
+
     def finish(self, summary, plots=()):
         """Write summary.json and one PNG per (filename, keys, title) in `plots`, from the logged records."""
         self.bar.close()
@@ -453,6 +461,56 @@ def load_checkpoint(path):
     with safe_open(str(path), framework="pt") as f:
         state = json.loads(f.metadata()["state"])
     return load_file(str(path)), state
+
+
+def save_training_state(path, step, modules, optimizers, generators, extra, tensors=None):
+    """Everything a run needs to continue bit-exactly, in one atomic checkpoint: trainable weights (only
+    the adapter under LoRA),
+    optimiser moments, the torch/python/numpy RNGs and named `torch.Generator`s, the step, and a JSON
+    `extra` (metrics so far, first-evaluation results). `tensors` holds any extra named tensors."""
+    flat = {f"tensor/{k}": v for k, v in (tensors or {}).items()}
+    for name, module in modules.items():
+        flat |= {f"module/{name}/{k}": v for k, v in module.named_parameters() if v.requires_grad}
+    groups = {}
+    for name, optimizer in optimizers.items():
+        sd = optimizer.state_dict()
+        groups[name] = sd["param_groups"]
+        for idx, slots in sd["state"].items():
+            flat |= {f"optim/{name}/{idx}/{k}": torch.as_tensor(v) for k, v in slots.items()}
+    flat |= {f"rng/{name}": g.get_state() for name, g in generators.items()}
+    flat["rng/torch"] = torch.get_rng_state()
+    numpy_state = np.random.get_state()
+    state = {"step": step, "extra": extra, "param_groups": groups, "python_rng": random.getstate(),
+             "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]]}
+    save_checkpoint(path, flat, state)
+
+
+def load_training_state(path, modules, optimizers, generators):
+    """Restore what `save_training_state` wrote into the given objects; returns (step, extra, tensors)."""
+    flat, state = load_checkpoint(path)
+    for name, module in modules.items():
+        prefix = f"module/{name}/"
+        saved = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+        missing = {k for k, v in module.named_parameters() if v.requires_grad} - set(saved)
+        if missing:
+            raise SystemExit(f"error: {path} does not match this run's {name} ({len(missing)} weights missing); "
+                             "resume with the same flags, or start without --resume")
+        module.load_state_dict(saved, strict=False)
+    for name, optimizer in optimizers.items():
+        slots = {}
+        for key, value in flat.items():
+            if key.startswith(f"optim/{name}/"):
+                _, _, idx, slot = key.split("/", 3)
+                slots.setdefault(int(idx), {})[slot] = value
+        optimizer.load_state_dict({"state": slots, "param_groups": state["param_groups"][name]})
+    for name, generator in generators.items():
+        generator.set_state(flat[f"rng/{name}"])
+    torch.set_rng_state(flat["rng/torch"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return state["step"], state["extra"], {k[7:]: v for k, v in flat.items() if k.startswith("tensor/")}
 
 
 # ----------------------------------------------------------------------------- demo table

@@ -87,6 +87,8 @@ class Args:
     out_dir: str = dataclasses.field(default="runs/flow_grpo", metadata={"help": "output folder"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
+    save_every: int = dataclasses.field(default=50, metadata={"help": "epochs between checkpoints (0 = never)"})
+    resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
 
 # Official SD3.5-Medium recipe, one-GPU preset (REFERENCES.md §1.6): 512 px, 10/40 steps, a = 0.7, CFG 4.5,
@@ -393,6 +395,18 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, gene
     return torch.stack(latents), (torch.stack(log_probs) if log_probs else None)
 
 
+def score(reward_fn, images, prompts, name):
+    """Call the (possibly user-supplied) reward; its failure or a non-finite score is one clear error."""
+    try:
+        scores = torch.as_tensor(reward_fn(images, prompts)).float().cpu().reshape(-1)
+    except Exception as err:
+        raise SystemExit(f"error: the reward {name!r} raised {type(err).__name__}: {err}") from None
+    if scores.numel() != len(prompts) or not torch.isfinite(scores).all():
+        raise SystemExit(f"error: the reward {name!r} must return one finite score per image "
+                         f"(got {scores.numel()} scores for {len(prompts)} images, finite: {bool(torch.isfinite(scores).all())})")
+    return scores
+
+
 def schedule(num_steps, shift, device):
     """The N+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler (1 → 0), as the pipeline uses them (§1.1)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -462,7 +476,7 @@ def train(args):
             images.append(world["decode"](latents[-1]))
         images = torch.cat(images)
         with torch.no_grad():
-            metrics = {"reward": world["reward"](images, prompts).mean().item()}
+            metrics = {"reward": score(world["reward"], images, prompts, args.reward).mean().item()}
         if args.eval_per_prompt > 1:
             metrics["diversity"] = mean_pairwise_distance(images, [i // args.eval_per_prompt for i in range(len(prompts))])
         if world["is_correct"] is not None:
@@ -471,8 +485,14 @@ def train(args):
         return metrics, images
 
     before, images_before = evaluate()
-    first_ratio_dev = 0.0
-    for epoch in range(1, args.epochs + 1):
+    first_ratio_dev, start = 0.0, 1
+    checkpoint = out_dir / "checkpoint.safetensors"
+    state_objects = ({"policy": world["policy"]}, {"optimizer": optimizer}, {"rollouts": gen})
+    if args.resume and checkpoint.exists():  # weights (LoRA included), optimiser, RNGs, metrics so far
+        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        before, first_ratio_dev, start = extra["before"], extra["first_ratio_dev"], done + 1
+        logger.restore(extra["records"])
+    for epoch in range(start, args.epochs + 1):
         # --- rollouts: B distinct prompts × G samples (one group per prompt, DEVIATION 3)
         pick = torch.randperm(len(prompts_all), generator=gen)[:args.prompts_per_epoch].tolist()
         prompts = [prompts_all[i] for i in pick for _ in range(args.group_size)]
@@ -481,7 +501,7 @@ def train(args):
         latents, old_logp = rollout(world["velocity"], noise, train_sigmas, cond, empty, args.guidance,
                                     args.noise_level, generator=gen)  # (T+1, N, ...), (T, N)
         with torch.no_grad():
-            rewards = world["reward"](world["decode"](latents[-1]), prompts).float().cpu()
+            rewards = score(world["reward"], world["decode"](latents[-1]), prompts, args.reward)
         advantages = common.group_advantages(rewards, args.group_size).clamp(-args.adv_clip, args.adv_clip).to(device)
 
         # --- updates: `minibatches` optimiser steps, each summing the trained steps of its samples
@@ -527,6 +547,9 @@ def train(args):
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             record |= {f"eval_{k}": v for k, v in evaluate()[0].items()}
         logger.log(epoch, **record)
+        if args.save_every and epoch % args.save_every == 0:
+            common.save_training_state(checkpoint, epoch, *state_objects, extra={
+                "before": before, "first_ratio_dev": first_ratio_dev, "records": logger.records})
 
     if first_ratio_dev > 1e-5:
         print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training differ")

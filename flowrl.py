@@ -73,6 +73,8 @@ class Args:
     out_dir: str = dataclasses.field(default="", metadata={"help": "output folder (default runs/flowrl[-grpo])"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
+    save_every: int = dataclasses.field(default=50, metadata={"help": "steps between checkpoints (0 = never)"})
+    resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
 
 # Paper recipe (REFERENCES.md §2.2–§2.4): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
@@ -312,8 +314,14 @@ def train(args):
         return metrics
 
     first = evaluate()
-    first_ratio_dev = 0.0
-    for step in range(1, args.steps + 1):
+    first_ratio_dev, start = 0.0, 1
+    checkpoint = out_dir / "checkpoint.safetensors"
+    state_objects = ({"model": model, "head": head}, {"optimizer": optimizer}, {"rollouts": gen})
+    if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far: continues bit-exactly
+        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        first, first_ratio_dev, start = extra["first"], extra["first_ratio_dev"], done + 1
+        logger.restore(extra["records"])
+    for step in range(start, args.steps + 1):
         # --- rollouts: B prompts × G samples, the G samples of a prompt contiguous
         idx = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen).repeat_interleave(args.group_size)
         model.eval()
@@ -360,6 +368,10 @@ def train(args):
         if step % args.eval_every == 0 or step == args.steps:
             record |= {k: v for k, v in evaluate().items() if k != "dists"}
         logger.log(step, **record)
+        if args.save_every and step % args.save_every == 0:
+            common.save_training_state(checkpoint, step, *state_objects, extra={
+                "first": {k: v for k, v in first.items() if k != "dists"}, "first_ratio_dev": first_ratio_dev,
+                "records": logger.records})
 
     if first_ratio_dev > 1e-5:
         print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training log-probs differ")

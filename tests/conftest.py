@@ -7,3 +7,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def flow_grpo_cache(tmp_path_factory):
+    """One cache of flow_grpo's toy base model and reward classifier for the whole session (~20 s to train)."""
+    return tmp_path_factory.mktemp("flow_grpo_cache")

@@ -10,9 +10,9 @@ import flow_grpo
 from tiny_sd3 import save_tiny_sd3
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("flow_grpo_cache")  # the toy's base model is trained once per test module
+@pytest.fixture
+def cache_dir(flow_grpo_cache):
+    return flow_grpo_cache  # the toy's base model is trained once per session (conftest)
 
 
 def toy_args(tmp_path, cache_dir, *extra):
@@ -193,6 +193,20 @@ def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
 def test_bad_input_gets_one_clear_message(tmp_path, tiny_sd3, extra, message):
     with pytest.raises(SystemExit, match=message):
         flow_grpo.train(sd3_args(tmp_path, tiny_sd3, *extra))
+
+
+def nan_reward(images, prompts):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def raising_reward(images, prompts):
+    raise RuntimeError("reward server down")
+
+
+@pytest.mark.parametrize("fn, message", [("nan_reward", "finite score"), ("raising_reward", "reward server down")])
+def test_a_reward_that_returns_nan_or_raises_gets_one_clear_message(tmp_path, tiny_sd3, fn, message):
+    with pytest.raises(SystemExit, match=message):
+        flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--reward", f"test_flow_grpo:{fn}"))
 
 
 def test_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):

@@ -81,7 +81,7 @@ def _kl(p, q):
 def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
     a = flowrl.train(toy_args(tmp_path / "a", "--algo", algo, "--steps", "3", "--eval-every", "3"))
     b = flowrl.train(toy_args(tmp_path / "b", "--algo", algo, "--steps", "3", "--eval-every", "3"))
-    assert a["first_step_ratio_max_dev"] < 1e-5
+    assert a["first_step_ratio_max_dev"] < 1e-5 and b["kl_policy_to_target"] == a["kl_policy_to_target"]
     strip = lambda p: [{k: v for k, v in json.loads(l).items() if k != "sec"} for l in open(p)]
     assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
     for name in ["summary.json", "kl.png", "valleys.png", "config.json"]:

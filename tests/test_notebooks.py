@@ -10,8 +10,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path, monkeypatch):
+def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
     book = nbformat.read(path, as_version=4)
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
     workdir.mkdir()

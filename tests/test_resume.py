@@ -1,0 +1,45 @@
+"""A toy run killed with SIGKILL part-way and resumed ends exactly where an uninterrupted run ends."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def metrics(folder):
+    return [{k: v for k, v in json.loads(line).items() if k != "sec"}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(folder):
+    return {k: v for k, v in json.loads((folder / "summary.json").read_text()).items() if k != "wall_seconds"}
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("flowrl.py", ["--steps", "24", "--group-size", "16", "--eval-every", "8", "--save-every", "4"]),
+    ("flow_grpo.py", ["--epochs", "24", "--eval-per-prompt", "4", "--eval-every", "8", "--save-every", "4"]),
+])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_cache, script, flags):
+    flags = [*flags, "--quiet", "--cache-dir", str(flow_grpo_cache)] if script == "flow_grpo.py" else [*flags, "--quiet"]
+    run = lambda out, *extra: [sys.executable, str(ROOT / script), *flags, "--out-dir", str(out), *extra]  # noqa: E731
+    subprocess.run(run(tmp_path / "whole"), check=True, cwd=ROOT, capture_output=True)
+
+    killed = subprocess.Popen(run(tmp_path / "killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "killed" / "checkpoint.safetensors"
+    while not checkpoint.exists() and killed.poll() is None:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    _, state = common.load_checkpoint(checkpoint)
+    assert state["step"] < 24, "the run finished before it could be killed; make it longer"
+    subprocess.run(run(tmp_path / "killed", "--resume"), check=True, cwd=ROOT, capture_output=True)
+
+    assert metrics(tmp_path / "killed") == metrics(tmp_path / "whole")
+    assert summary(tmp_path / "killed") == summary(tmp_path / "whole")
