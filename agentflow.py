@@ -80,6 +80,8 @@ class Args:
     out_dir: str = dataclasses.field(default="runs/agentflow", metadata={"help": "output folder"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
+    save_every: int = dataclasses.field(default=20, metadata={"help": "steps between checkpoints (0 = never)"})
+    resume: bool = dataclasses.field(default=False, metadata={"help": "continue each arm from its checkpoint.safetensors"})
 
 
 # Paper setup (REFERENCES.md §4.3): G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
@@ -504,7 +506,7 @@ def validate(args):
     ])
 
 
-def train_arm(args, world, credit, logger):
+def train_arm(args, world, credit, logger, checkpoint):
     """Flow-GRPO on the planner: G rollouts per query → broadcast A_i → token-level clipped loss + β·KL."""
     tokenizer, planner = world["tokenizer"], world["planner"]
     device = planner.device
@@ -513,8 +515,13 @@ def train_arm(args, world, credit, logger):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     plan = planner_sampler(world, args.temperature, args.max_new_tokens)
-    first_ratio_dev = 0.0
-    for step in range(1, args.steps + 1):
+    first_ratio_dev, start = 0.0, 1
+    state_objects = ({"planner": planner}, {"optimizer": optimizer}, {"rollouts": gen})
+    if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
+        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        first_ratio_dev, start = extra["first_ratio_dev"], done + 1
+        logger.restore(extra["records"])
+    for step in range(start, args.steps + 1):
         pick = torch.randint(len(world["train"]), (args.queries_per_step,), generator=gen).tolist()
         queries = [world["train"][i] for i in pick for _ in range(args.group_size)]
         trajectories = run_agent(queries, world, plan, args.max_turns)  # G rollouts of different lengths
@@ -558,6 +565,9 @@ def train_arm(args, world, credit, logger):
         if world["test"] and (step % args.eval_every == 0 or step == args.steps):
             record |= {f"eval_{k}": v for k, v in evaluate(world, world["test"], args)[0].items()}
         logger.log(step, **record)
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            common.save_training_state(checkpoint, step, *state_objects,
+                                       extra={"first_ratio_dev": first_ratio_dev, "records": logger.records})
     return first_ratio_dev
 
 
@@ -575,7 +585,7 @@ def train(args):
     before, before_rollouts = evaluate(world, test, args) if test else ({}, [])
 
     logger = common.RunLogger(out_dir, config, args.steps, f"agentflow ({args.credit})", quiet=args.quiet)
-    first_ratio_dev = train_arm(args, world, args.credit, logger)
+    first_ratio_dev = train_arm(args, world, args.credit, logger, out_dir / "checkpoint.safetensors")
     after, after_rollouts = evaluate(world, test, args) if test else ({}, [])
     summary = {f"{k}_before": v for k, v in before.items()} | {f"{k}_after": v for k, v in after.items()} | {
         "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
@@ -596,7 +606,8 @@ def train(args):
         common.seed_everything(args.seed)
         ablation_logger = common.RunLogger(out_dir / other, config | {"credit": other}, args.steps, f"agentflow ({other})",
                                            quiet=True)
-        train_arm(dataclasses.replace(args, credit=other), world, other, ablation_logger)
+        train_arm(dataclasses.replace(args, credit=other), world, other, ablation_logger,
+                  out_dir / other / "checkpoint.safetensors")
         ablated = evaluate(world, test, args)[0]
         ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]

@@ -81,6 +81,9 @@ class Args:
     out_dir: str = dataclasses.field(default="runs/rc_grpo", metadata={"help": "output folder"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
+    save_every: int = dataclasses.field(default=10, metadata={"help": "GRPO steps between checkpoints (0 = never)"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)"})
 
 
 # Paper recipe (REFERENCES.md §3.2–§3.3): G = 5, p = 0.5, lr 1e-6, β 0.1, clip 0.2; RCTP-FT lr 1e-5, batch 16,
@@ -559,7 +562,7 @@ def evaluate(world, entries, token, args):
     return sum(bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs) / len(runs)
 
 
-def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger):
+def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed (GRPO),
     one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3)."""
     model, tokenizer = world["model"], world["tokenizer"]
@@ -567,8 +570,13 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    first_ratio_dev, zero_var = 0.0, []
-    for step in range(1, args.steps + 1):
+    first_ratio_dev, zero_var, start = 0.0, [], 1
+    state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
+    if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
+        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        first_ratio_dev, zero_var, start = extra["first_ratio_dev"], extra["zero_var"], done + 1
+        logger.restore(extra["records"])
+    for step in range(start, args.steps + 1):
         pick = torch.randint(len(world["train"]), (args.tasks_per_step,), generator=gen).tolist()
         entries = [world["train"][i] for i in pick for _ in range(args.group_size)]
         tokens = (sample_reward_tokens(len(entries), args.p_high, gen) if reward_conditioned
@@ -608,6 +616,9 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger):
                    entropy=-common.masked_mean(old_logp, mask).item(),  # −mean log π of sampled tokens
                    success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
                    success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])), first_ratio_dev=first_ratio_dev, **stats)
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            common.save_training_state(checkpoint, step, *state_objects, extra={
+                "first_ratio_dev": first_ratio_dev, "zero_var": zero_var, "records": logger.records})
     return {"zero_variance_fraction": sum(zero_var) / len(zero_var), "first_step_ratio_max_dev": first_ratio_dev}
 
 
@@ -664,7 +675,7 @@ def train(args):
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
         logger = common.RunLogger(out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet)
-        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger)
+        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger, out_dir / arm / "checkpoint.safetensors")
         result["accuracy"] = evaluate(world, world["test"], HIGH if use_tokens else None, args)
         if use_tokens:  # what the same weights do when asked for a low reward (not used for the result)
             result["accuracy_under_low_token"] = evaluate(world, world["test"], LOW, args)
