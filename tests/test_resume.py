@@ -26,8 +26,8 @@ def summary(folder):
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("flowrl.py", ["--steps", "24", "--group-size", "16", "--eval-every", "8", "--save-every", "4"]),
-    ("flow_grpo.py", ["--epochs", "24", "--eval-per-prompt", "4", "--eval-every", "8", "--save-every", "4"]),
+    ("flowrl.py", ["--steps", "12", "--group-size", "16", "--eval-every", "12", "--save-every", "3"]),
+    ("flow_grpo.py", ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3"]),
     ("agentflow.py", ["--steps", "12", "--eval-every", "12", "--save-every", "3", "--no-ablation",
                       "--queries-per-step", "4"]),
     ("rc_grpo.py", ["--steps", "12", "--arms", "rctp+rc-grpo", "--toy-tasks", "20", "--tasks-per-step", "2",
