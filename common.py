@@ -255,7 +255,7 @@ def parse_args(args_cls, presets=None, argv=None):
                         help="toy: tiny offline CPU run (default); " + ", ".join(presets) + ": paper-scale")
     for f in dataclasses.fields(args_cls):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[f.name], help=help_text)
         else:

@@ -13,6 +13,15 @@ CLIP_FLAG = {"flowrl": "--clip-eps", "flow_grpo": "--clip-range", "agentflow": "
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+def test_help_lists_every_flag(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert all("--" + f.replace("_", "-") in out for f in SCRIPTS[name].Args.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize("argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]])
 def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -35,3 +44,20 @@ def test_flow_grpo_refuses_to_train_on_the_ode(tmp_path):
     args = common.parse_args(flow_grpo.Args, flow_grpo.PRESETS, ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="ODE"):
         flow_grpo.train(args)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_function_in_the_equation_map_exists_and_has_a_docstring(name):
+    import re
+
+    module = SCRIPTS[name]
+    doc = module.__doc__
+    assert "REFERENCES.md" in doc and "Deviations" in doc
+    equation_map = doc[doc.index("Equation map"):doc.index("Deviations")]
+    names = [n.strip() for line in equation_map.splitlines()[1:] if "→" in line
+             for n in line.split("→")[-1].split(",") if re.fullmatch(r"\s*(common\.)?\w+\s*", n)]
+    assert len(names) >= 4
+    for entry in names:
+        owner, _, attr = entry.rpartition(".")
+        target = getattr(common if owner == "common" else module, attr)
+        assert (target.__doc__ or "").strip(), entry
