@@ -27,6 +27,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/denoising_reduction.py
+	$(PY) benchmarks/rollouts_and_memory.py
 
 clean:
 	rm -rf runs .pytest_cache
