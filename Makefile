@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # bfcl-eval's own dependency pins (an old numpy, API clients) are not needed: its data and backends are pure Python.
 BFCL := bfcl-eval==2026.3.23
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-trl clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -28,6 +28,15 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/denoising_reduction.py
 	$(PY) benchmarks/rollouts_and_memory.py
+
+# TRL and its dependencies live in their own environment, so the project's pins stay untouched.
+.venv-bench/.installed: requirements.txt benchmarks/requirements.txt
+	$(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install -q --disable-pip-version-check -r benchmarks/requirements.txt
+	touch $@
+
+bench-trl: .venv-bench/.installed
+	HF_HUB_OFFLINE=1 .venv-bench/bin/python benchmarks/bench_vs_trl.py
 
 clean:
 	rm -rf runs .pytest_cache
