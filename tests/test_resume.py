@@ -28,10 +28,10 @@ def summary(folder):
 @pytest.mark.parametrize("script, flags", [
     ("flowrl.py", ["--steps", "12", "--group-size", "16", "--eval-every", "12", "--save-every", "3"]),
     ("flow_grpo.py", ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3"]),
-    ("agentflow.py", ["--steps", "12", "--eval-every", "12", "--save-every", "3", "--no-ablation",
-                      "--queries-per-step", "4"]),
-    ("rc_grpo.py", ["--steps", "12", "--arms", "rctp+rc-grpo", "--toy-tasks", "20", "--tasks-per-step", "2",
-                    "--failure-rollouts", "1", "--save-every", "3"]),
+    ("agentflow.py", ["--steps", "8", "--eval-every", "8", "--save-every", "2", "--no-ablation",
+                      "--queries-per-step", "2"]),
+    ("rc_grpo.py", ["--steps", "8", "--arms", "rctp+rc-grpo", "--toy-tasks", "20", "--tasks-per-step", "2",
+                    "--failure-rollouts", "1", "--save-every", "2"]),
 ])
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_cache, script, flags):
     flags = [*flags, "--quiet", "--cache-dir", str(flow_grpo_cache)] if script == "flow_grpo.py" else [*flags, "--quiet"]
