@@ -451,7 +451,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     """
     if mode == "trajectory":
         per_trajectory = common.group_advantages(rewards, group_size, eps=eps)
-        return per_trajectory.repeat_interleave(torch.as_tensor(turns))
+        return per_trajectory.repeat_interleave(torch.as_tensor(turns))  # §4.2 reward broadcast: A_i on every turn
     rows = []
     for g in range(0, len(rewards), group_size):
         reps = torch.as_tensor(turns[g:g + group_size])
@@ -549,6 +549,7 @@ def train_arm(args, world, credit, logger, checkpoint):
             logp = common.completion_logprobs(planner, ids, attn, temperature=args.temperature)
             if inner == 0:  # re-batched, re-padded, not yet updated: must equal the sampler's log-probs
                 first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
+            # §4.2 J(θ): token-level min(ρ·A_i, clip(ρ, 1−ε, 1+ε_high)·A_i) (DEVIATION 1: token-mean), − β·KL (k3)
             loss, stats = common.clipped_policy_loss(logp, old_logp, advantages, mask, args.clip_eps, args.clip_eps_high)
             kl = common.masked_mean(common.kl_penalty(logp, ref_logp), mask)
             loss = loss + args.beta * kl

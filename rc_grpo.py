@@ -263,7 +263,7 @@ def trajectory_reward(entry, calls_per_turn):
     arguments (extra arguments allowed, order ignored, each agent call used once).
     """
     env, truth_env = replay(entry, calls_per_turn), replay(entry, entry["ground_truth"])
-    if env.state() != truth_env.state():
+    if env.state() != truth_env.state():  # §3.4 R_state
         return 0.0
     made = []
     for calls in calls_per_turn:
@@ -272,7 +272,7 @@ def trajectory_reward(entry, calls_per_turn):
                 made += [(n, env.bound_arguments(n, a, k)) for n, a, k in parse_calls(call)]
             except ValueError:
                 continue
-    for calls in entry["ground_truth"]:
+    for calls in entry["ground_truth"]:  # §3.4 R_action: every ground-truth call, matched once
         for name, args, kwargs in (c for call in calls for c in parse_calls(call)):
             want = truth_env.bound_arguments(name, args, kwargs)
             match = next((m for m in made if m[0] == name and all(k in m[1] and m[1][k] == v for k, v in want.items())), None)
@@ -424,7 +424,7 @@ def build_bfcl(args, device):
 
 def add_reward_token(content, token):
     """The first user message + `[Reward Goal: <|…|>]` (§3.2); token None = no conditioning."""
-    return content if token is None else f"{content} [Reward Goal: {token}]"
+    return content if token is None else f"{content} [Reward Goal: {token}]"  # §3.2
 
 
 def user_messages(world, entry, turn, token, env):
@@ -553,7 +553,7 @@ def build_rctp_data(world, entries, args):
 def sample_reward_tokens(n, p, generator):
     """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (§3.3)."""
     draws = torch.rand(n, generator=generator) < p
-    return [HIGH if d else LOW for d in draws.tolist()]
+    return [HIGH if d else LOW for d in draws.tolist()]  # §3.3 r_j ~ Bernoulli(p), i.i.d.
 
 
 def evaluate(world, entries, token, args):
@@ -583,7 +583,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
                   else [HIGH if use_tokens else None] * len(entries))
         runs = run_rollouts(world, entries, tokens, args.temperature, args.max_steps, args.max_new_tokens)
         rewards = torch.tensor([r["reward"] for r in runs])
-        advantages = common.group_advantages(rewards, args.group_size)  # one group per task, across tokens
+        advantages = common.group_advantages(rewards, args.group_size)  # §3.3 one group per task, across tokens
         rows = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
         ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows],
                                                   model.device)
