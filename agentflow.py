@@ -518,7 +518,7 @@ def train_arm(args, world, credit, logger, checkpoint):
     first_ratio_dev, start = 0.0, 1
     state_objects = ({"planner": planner}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
-        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        done, extra = common.load_training_state(checkpoint, *state_objects)
         first_ratio_dev, start = extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
@@ -533,16 +533,9 @@ def train_arm(args, world, credit, logger, checkpoint):
             last = torch.tensor(turns).cumsum(0) - 1
             rows = [rows[k] for k in last.tolist()]
         ids, attn, mask = common.pack_completions(tokenizer, [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows], device)
-        old_logp = torch.zeros(mask.shape, device=device)
-        for r, (turn, _) in enumerate(rows):
-            old_logp[r, mask[r].bool()] = turn["old_logp"].to(device)
+        old_logp = common.place_logprobs(mask, [t["old_logp"] for t, _ in rows])
         advantages = torch.tensor([a for _, a in rows], device=device)
-        with torch.no_grad():
-            if reference is not None:
-                ref_logp = common.completion_logprobs(reference, ids, attn, temperature=args.temperature)
-            else:
-                with planner.disable_adapter():
-                    ref_logp = common.completion_logprobs(planner, ids, attn, temperature=args.temperature)
+        ref_logp = common.reference_logprobs(planner, reference, ids, attn, args.temperature)
 
         planner.train()
         for inner in range(args.inner_steps):

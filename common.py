@@ -162,6 +162,23 @@ def pack_completions(tokenizer, prompts, completions, device):
     return ids.to(device), attn.to(device), mask.float().to(device)
 
 
+def place_logprobs(mask, logps):
+    """Put each sample's sampling-time log-probs (a list of 1-D tensors) where `mask` marks its completion."""
+    out = torch.zeros(mask.shape, device=mask.device)
+    for row, logp in enumerate(logps):
+        out[row, mask[row].bool()] = logp.to(mask.device)
+    return out
+
+
+@torch.no_grad()
+def reference_logprobs(model, reference, input_ids, attention_mask, temperature=1.0):
+    """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter disabled."""
+    if reference is not None:
+        return completion_logprobs(reference, input_ids, attention_mask, temperature=temperature)
+    with model.disable_adapter():
+        return completion_logprobs(model, input_ids, attention_mask, temperature=temperature)
+
+
 def sample_with_logprobs(model, tokenizer, prompts, max_new_tokens, temperature):
     """[(text, completion ids, their log-probs at sampling time)] per prompt: one batched `generate`.
 
@@ -463,12 +480,11 @@ def load_checkpoint(path):
     return load_file(str(path)), state
 
 
-def save_training_state(path, step, modules, optimizers, generators, extra, tensors=None):
+def save_training_state(path, step, modules, optimizers, generators, extra):
     """Everything a run needs to continue bit-exactly, in one atomic checkpoint: trainable weights (only
-    the adapter under LoRA),
-    optimiser moments, the torch/python/numpy RNGs and named `torch.Generator`s, the step, and a JSON
-    `extra` (metrics so far, first-evaluation results). `tensors` holds any extra named tensors."""
-    flat = {f"tensor/{k}": v for k, v in (tensors or {}).items()}
+    the adapter under LoRA), optimiser moments, the torch/python/numpy RNGs and named `torch.Generator`s,
+    the step, and a JSON `extra` (metrics so far, first-evaluation results)."""
+    flat = {}
     for name, module in modules.items():
         flat |= {f"module/{name}/{k}": v for k, v in module.named_parameters() if v.requires_grad}
     groups = {}
@@ -486,7 +502,7 @@ def save_training_state(path, step, modules, optimizers, generators, extra, tens
 
 
 def load_training_state(path, modules, optimizers, generators):
-    """Restore what `save_training_state` wrote into the given objects; returns (step, extra, tensors)."""
+    """Restore what `save_training_state` wrote into the given objects; returns (step, extra)."""
     flat, state = load_checkpoint(path)
     for name, module in modules.items():
         prefix = f"module/{name}/"
@@ -510,7 +526,7 @@ def load_training_state(path, modules, optimizers, generators):
     random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    return state["step"], state["extra"], {k[7:]: v for k, v in flat.items() if k.startswith("tensor/")}
+    return state["step"], state["extra"]
 
 
 # ----------------------------------------------------------------------------- demo table

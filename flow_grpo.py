@@ -489,7 +489,7 @@ def train(args):
     checkpoint = out_dir / "checkpoint.safetensors"
     state_objects = ({"policy": world["policy"]}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights (LoRA included), optimiser, RNGs, metrics so far
-        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        done, extra = common.load_training_state(checkpoint, *state_objects)
         before, first_ratio_dev, start = extra["before"], extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for epoch in range(start, args.epochs + 1):

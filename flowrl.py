@@ -300,12 +300,6 @@ def train(args):
                               f"{args.algo}", quiet=args.quiet)
     gen = torch.Generator().manual_seed(args.seed)
 
-    def ref_logprobs(seq, attn):
-        if ref_model is not None:
-            return common.completion_logprobs(ref_model, seq, attn)
-        with model.disable_adapter():
-            return common.completion_logprobs(model, seq, attn)
-
     def evaluate():
         model.eval()
         metrics = (exact_metrics(model, ref_model, tokenizer, task, args.beta) if toy
@@ -318,7 +312,7 @@ def train(args):
     checkpoint = out_dir / "checkpoint.safetensors"
     state_objects = ({"model": model, "head": head}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far: continues bit-exactly
-        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        done, extra = common.load_training_state(checkpoint, *state_objects)
         first, first_ratio_dev, start = extra["first"], extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
@@ -332,7 +326,7 @@ def train(args):
             texts = tokenizer.batch_decode(seq[:, plen:] * comp_mask, skip_special_tokens=True)
             rewards = torch.tensor([task["reward"](i, t) for i, t in zip(idx.tolist(), texts)], dtype=torch.float32)
             old_logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]  # (B·G, T)
-            ref_logp = ref_logprobs(seq, attn)[:, plen - 1:] if args.algo == "flowrl" else None
+            ref_logp = common.reference_logprobs(model, ref_model, seq, attn)[:, plen - 1:] if args.algo == "flowrl" else None
         model.train()
         advantages = common.group_advantages(rewards, args.group_size).to(device)
         reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)

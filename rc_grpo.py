@@ -573,7 +573,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
     first_ratio_dev, zero_var, start = 0.0, [], 1
     state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
-        done, extra, _ = common.load_training_state(checkpoint, *state_objects)
+        done, extra = common.load_training_state(checkpoint, *state_objects)
         first_ratio_dev, zero_var, start = extra["first_ratio_dev"], extra["zero_var"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
@@ -587,15 +587,8 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         rows = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
         ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows],
                                                   model.device)
-        old_logp = torch.zeros(mask.shape, device=model.device)
-        for k, (s, _) in enumerate(rows):
-            old_logp[k, mask[k].bool()] = s["old_logp"].to(model.device)
-        with torch.no_grad():
-            if reference is not None:
-                ref_logp = common.completion_logprobs(reference, ids, attn, temperature=args.temperature)
-            else:
-                with model.disable_adapter():
-                    ref_logp = common.completion_logprobs(model, ids, attn, temperature=args.temperature)
+        old_logp = common.place_logprobs(mask, [s["old_logp"] for s, _ in rows])
+        ref_logp = common.reference_logprobs(model, reference, ids, attn, args.temperature)
         model.train()
         logp = common.completion_logprobs(model, ids, attn, temperature=args.temperature)
         first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
