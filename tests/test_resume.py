@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def metrics(folder):
     folder = folder / "rctp+rc-grpo" if (folder / "rctp+rc-grpo").exists() else folder
-    return [{k: v for k, v in json.loads(line).items() if k != "sec"}
+    return [{k: v for k, v in json.loads(line).items() if k not in ("sec", "restored")}
             for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -44,9 +44,15 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_ca
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    _, state = common.load_checkpoint(checkpoint)
+    tensors, state = common.load_checkpoint(checkpoint)
     assert state["step"] < int(flags[1]), "the run finished before it could be killed; make it longer"
+    # mark the saved metrics: only a run that really continues from this file can show the mark
+    state["extra"]["records"][0]["restored"] = True
+    common.save_checkpoint(checkpoint, tensors, state)
     subprocess.run(run(tmp_path / "killed", "--resume"), check=True, cwd=ROOT, capture_output=True)
+
+    path = tmp_path / "killed" / ("rctp+rc-grpo" if script == "rc_grpo.py" else "") / "metrics.jsonl"
+    assert json.loads(path.read_text().splitlines()[0]).get("restored") is True
 
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "whole")
     assert summary(tmp_path / "killed") == summary(tmp_path / "whole")
