@@ -506,14 +506,17 @@ def validate(args):
     ])
 
 
-def train_arm(args, world, credit, logger, checkpoint):
-    """Flow-GRPO on the planner: G rollouts per query → broadcast A_i → token-level clipped loss + β·KL."""
+def train_arm(args, world, credit, logger, checkpoint, accelerator):
+    """Flow-GRPO on the planner: G rollouts per query → broadcast A_i → token-level clipped loss + β·KL.
+    With N processes each rank rolls out its block of queries with its own noise; the planner's DDP wrapper
+    averages the gradients of the ranks' token-mean losses."""
     tokenizer, planner = world["tokenizer"], world["planner"]
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
     params = [p for p in planner.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
+    mine = common.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(world, args.temperature, args.max_new_tokens)
     first_ratio_dev, start = 0.0, 1
     state_objects = ({"planner": planner}, {"optimizer": optimizer}, {"rollouts": gen})
@@ -522,8 +525,10 @@ def train_arm(args, world, credit, logger, checkpoint):
         first_ratio_dev, start = extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        pick = torch.randint(len(world["train"]), (args.queries_per_step,), generator=gen).tolist()
+        pick = torch.randint(len(world["train"]), (args.queries_per_step,), generator=gen)[mine.start:mine.stop].tolist()
         queries = [world["train"][i] for i in pick for _ in range(args.group_size)]
+        if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
+            torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
         trajectories = run_agent(queries, world, plan, args.max_turns)  # G rollouts of different lengths
         rewards = torch.tensor([t["reward"] for t in trajectories])
         turns = [len(t["turns"]) for t in trajectories]
@@ -539,7 +544,7 @@ def train_arm(args, world, credit, logger, checkpoint):
 
         planner.train()
         for inner in range(args.inner_steps):
-            logp = common.completion_logprobs(planner, ids, attn, temperature=args.temperature)
+            logp = common.completion_logprobs(world["train_planner"], ids, attn, temperature=args.temperature)
             if inner == 0:  # re-batched, re-padded, not yet updated: must equal the sampler's log-probs
                 first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
             # §4.2 J(θ): token-level min(ρ·A_i, clip(ρ, 1−ε, 1+ε_high)·A_i) (DEVIATION 1: token-mean), − β·KL (k3)
@@ -549,17 +554,18 @@ def train_arm(args, world, credit, logger, checkpoint):
             if not torch.isfinite(loss):
                 raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
             optimizer.zero_grad()
-            loss.backward()
+            accelerator.backward(loss)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
+        rewards = accelerator.gather(rewards.float().to(device)).cpu()  # the whole step's; the rest is rank 0's
         record = {"reward": rewards.mean().item(), "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
                   "mean_turns": sum(turns) / len(turns), "turn_samples": len(rows), "loss": loss.item(), "kl": kl.item(),
                   "first_ratio_dev": first_ratio_dev, **stats}
-        if world["test"] and (step % args.eval_every == 0 or step == args.steps):
+        if world["test"] and (step % args.eval_every == 0 or step == args.steps) and accelerator.is_main_process:
             record |= {f"eval_{k}": v for k, v in evaluate(world, world["test"], args)[0].items()}
         logger.log(step, **record)
-        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+        if args.save_every and (step % args.save_every == 0 or step == args.steps) and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects,
                                        extra={"first_ratio_dev": first_ratio_dev, "records": logger.records})
     return first_ratio_dev
@@ -569,17 +575,19 @@ def train(args):
     """Warm start (toy) → evaluate → Flow-GRPO → evaluate; on the toy, the final-turn-credit ablation too."""
     validate(args)
     common.seed_everything(args.seed)
-    device = common.get_device(args.device)
+    accelerator, device = common.setup_accelerator(args.device)
     world = build_full(args, device) if args.model else build_toy(args, device)
     world["planner"].to(device)
+    world["train_planner"] = accelerator.prepare(world["planner"])  # DDP wrapper (N processes) for the loss
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
     initial_state = copy.deepcopy(world["planner"].state_dict()) if args.ablation else None
-    test = world["test"]
+    test = world["test"] if accelerator.is_main_process else []  # only rank 0 evaluates and writes
     before, before_rollouts = evaluate(world, test, args) if test else ({}, [])
 
-    logger = common.RunLogger(out_dir, config, args.steps, f"agentflow ({args.credit})", quiet=args.quiet)
-    first_ratio_dev = train_arm(args, world, args.credit, logger, out_dir / "checkpoint.safetensors")
+    logger = common.RunLogger(out_dir, config, args.steps, f"agentflow ({args.credit})", quiet=args.quiet,
+                              main_process=accelerator.is_main_process)
+    first_ratio_dev = train_arm(args, world, args.credit, logger, out_dir / "checkpoint.safetensors", accelerator)
     after, after_rollouts = evaluate(world, test, args) if test else ({}, [])
     summary = {f"{k}_before": v for k, v in before.items()} | {f"{k}_after": v for k, v in after.items()} | {
         "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
@@ -591,22 +599,23 @@ def train(args):
         (out_dir / "rollouts.txt").write_text(shown + "\n")
         if not args.quiet:
             print(shown)
-    if args.model:
+    if args.model and accelerator.is_main_process:
         world["planner"].save_pretrained(out_dir / "planner")  # the LoRA adapter
         world["tokenizer"].save_pretrained(out_dir / "planner")
-    if args.ablation and test:
+    if args.ablation and world["test"]:
         other = "final-turn" if args.credit == "broadcast" else "broadcast"
         world["planner"].load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_logger = common.RunLogger(out_dir / other, config | {"credit": other}, args.steps, f"agentflow ({other})",
-                                           quiet=True)
+                                           quiet=True, main_process=accelerator.is_main_process)
         train_arm(dataclasses.replace(args, credit=other), world, other, ablation_logger,
-                  out_dir / other / "checkpoint.safetensors")
-        ablated = evaluate(world, test, args)[0]
-        ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
-        summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
-        plot_accuracy_comparison(before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
-                                 out_dir / "credit.png")
+                  out_dir / other / "checkpoint.safetensors", accelerator)
+        if accelerator.is_main_process:
+            ablated = evaluate(world, test, args)[0]
+            ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
+            summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
+            plot_accuracy_comparison(before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
+                                     out_dir / "credit.png")
     return logger.finish(summary, [("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
                                    ("turns.png", ["mean_turns", "eval_mean_turns"], "agentflow: planner turns per rollout")])
 

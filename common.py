@@ -18,6 +18,7 @@ Plumbing: argument parsing from a dataclass with presets, seeding, device, tiny 
 """
 import argparse
 import dataclasses
+import io
 import json
 import os
 import random
@@ -303,15 +304,30 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def get_device(name="auto"):
-    """cuda → mps → cpu unless a device is named."""
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+def setup_accelerator(device_name="auto"):
+    """Accelerate's process state → (accelerator, device). One process normally; under `accelerate launch`
+    or `torchrun`, one process per device joined by DDP (the official Flow-GRPO uses Accelerate DDP, §1.6).
+    device_name "cpu" forces the CPU (gloo); "auto" takes cuda:<local rank>, mps or cpu."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=device_name == "cpu")
+    return accelerator, accelerator.device
+
+
+def local_groups(num_groups, accelerator):
+    """This rank's contiguous block of the step's groups: range(lo, hi). Every member of a group lands on
+    the same rank, so its advantage (Eq. 2) is computed from the whole group there, as in one process."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if num_groups % world:
+        raise SystemExit(f"error: {num_groups} groups per step do not split evenly over {world} processes")
+    per_rank = num_groups // world
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def sampling_seed(seed, step, stream):
+    """A seed for one stream of rollout noise at one step (a group, or a rank's share of the step): distinct
+    across streams, so no two ranks share noise, and recomputed from (seed, step) after a resume."""
+    return (seed * 1_000_003 + step) * 100_003 + stream
 
 
 def make_tokenizer(words, special_tokens=()):
@@ -381,18 +397,20 @@ class RunLogger:
     """Writes config.json, metrics.jsonl (one line per step), summary.json and PNG curves under out_dir;
     shows a tqdm bar and one compact stdout line per logged step."""
 
-    def __init__(self, out_dir, config, total_steps, desc, quiet=False):
+    def __init__(self, out_dir, config, total_steps, desc, quiet=False, main_process=True):
         from tqdm import tqdm
 
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.metrics_file = open(self.out_dir / "metrics.jsonl", "w")
         self.records = []
-        self.quiet = quiet
-        self.bar = tqdm(total=total_steps, desc=desc, disable=quiet, leave=False, file=sys.stderr)
+        self.quiet = quiet or not main_process
+        self.main_process = main_process  # other ranks keep the records in memory and write nothing
+        if main_process:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.metrics_file = open(self.out_dir / "metrics.jsonl", "w") if main_process else io.StringIO()
+        self.bar = tqdm(total=total_steps, desc=desc, disable=self.quiet, leave=False, file=sys.stderr)
         self.start = time.time()
-        if not quiet:
+        if not self.quiet:
             print(f"[{desc}] config: {json.dumps(config, default=str)}")
 
     def log(self, step, **metrics):
@@ -418,6 +436,8 @@ class RunLogger:
         self.bar.close()
         self.metrics_file.close()
         summary = {**summary, "wall_seconds": round(time.time() - self.start, 2)}
+        if not self.main_process:
+            return summary
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         for filename, keys, title in plots:
             plot_curves({k: [(r["step"], r[k]) for r in self.records if k in r] for k in keys},

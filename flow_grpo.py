@@ -194,7 +194,7 @@ def build_toy(args, device):
     policy = base.to(device)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # DEVIATION 4: frozen copy as π_ref
 
-    def velocity(net):
+    def velocity_of(net):
         return lambda x, sigma, cond: net(x, sigma.expand(len(x)), cond[0])
 
     def reward(images, prompts):  # P(prompted digit) under the reward classifier
@@ -204,7 +204,7 @@ def build_toy(args, device):
         return float(np.mean(judge.predict(images.cpu().numpy()) == np.array(prompts)))
 
     return {"prompts": list(range(10)), "latent_shape": (64,), "policy": policy,
-            "velocity": velocity(policy), "ref_velocity": velocity(reference),
+            "velocity_of": velocity_of, "ref_velocity": velocity_of(reference),
             "encode": lambda prompts: (torch.tensor(prompts, device=device),),
             "empty": lambda n: (torch.full((n,), 10, device=device),),
             "decode": lambda latents: latents.clamp(-1, 1), "reward": reward,
@@ -301,16 +301,18 @@ def build_sd3(args, device):
     reward = load_reward(args, device)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def velocity(x, sigma, cond):
-        with autocast:
-            v = transformer(hidden_states=x.to(dtype), timestep=(1000 * sigma).expand(len(x)).to(dtype),
-                            encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0]
-        return v.float()  # NOTE: the SDE step runs in fp32 (§1.2: bf16 overflows there)
+    def velocity_of(net):  # net: the transformer, or its DDP wrapper for the training forward
+        def velocity(x, sigma, cond):
+            with autocast:
+                v = net(hidden_states=x.to(dtype), timestep=(1000 * sigma).expand(len(x)).to(dtype),
+                        encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0]
+            return v.float()  # NOTE: the SDE step runs in fp32 (§1.2: bf16 overflows there)
+        return velocity
 
     def ref_velocity(x, sigma, cond):
         transformer.disable_adapters()
         try:
-            return velocity(x, sigma, cond)
+            return velocity_of(transformer)(x, sigma, cond)
         finally:
             transformer.enable_adapters()
 
@@ -332,7 +334,7 @@ def build_sd3(args, device):
 
     side = args.resolution // pipe.vae_scale_factor
     return {"prompts": load_prompts(args.prompts), "latent_shape": (transformer.config.in_channels, side, side),
-            "policy": transformer, "velocity": velocity, "ref_velocity": ref_velocity, "encode": encode,
+            "policy": transformer, "velocity_of": velocity_of, "ref_velocity": ref_velocity, "encode": encode,
             "empty": lambda n: tuple(e.expand(n, *e.shape[1:]) for e in empty_embeds), "decode": decode,
             "reward": reward, "is_correct": None, "judge_accuracy": None, "info": {}, "save": save}
 
@@ -340,12 +342,13 @@ def build_sd3(args, device):
 # ----------------------------------------------------------------------------- the algorithm core
 
 
-def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
+def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, noise=None):
     """x_next ~ N(mean, s²I), mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt, s = σ_t·√|dt|  (§1.2, Eqs. 7–9).
 
     Rectified-flow convention: t = sigma, t = 1 is noise, dt = sigma_next − sigma < 0; σ_t = a·√(t/(1−t))
     with a = noise_level, and at t = 1 the next sigma stands in for t in 1 − t (§1.2). Arithmetic in fp32.
-    Given `prev_sample` the step only scores it. Returns (prev_sample, log_prob (N,), mean, std).
+    Given `prev_sample` the step only scores it; otherwise it samples with `noise` ~ N(0, I) (drawn here
+    if None). Returns (prev_sample, log_prob (N,), mean, std).
     """
     if noise_level <= 0:
         raise ValueError("noise_level = 0 is the deterministic ODE: a transition has no density, so there is no "
@@ -357,7 +360,7 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level, prev
     mean = sample + (velocity + sigma_t**2 / (2 * sigma) * (sample + (1 - sigma) * velocity)) * dt  # Eq. (9)
     std = sigma_t * math.sqrt(-dt)
     if prev_sample is None:
-        noise = torch.randn(sample.shape, generator=generator, dtype=torch.float32).to(sample.device)
+        noise = torch.randn_like(mean) if noise is None else noise.float().to(mean.device)
         prev_sample = mean + std * noise
     log_prob = common.gaussian_logprob(prev_sample.detach(), mean, std)  # §1.3, DEVIATION 1: mean over dims
     return prev_sample.detach(), log_prob, mean, std
@@ -369,25 +372,25 @@ def gaussian_mean_kl(mean, ref_mean, std):
 
 
 def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
-    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance (§1.5); w = 1 is one plain pass."""
-    v_cond = velocity_fn(x, sigma, cond)
+    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance (§1.5); w = 1 is one plain pass.
+    Both halves go through one forward on the doubled batch (DDP allows one forward per backward)."""
     if guidance == 1.0:
-        return v_cond
-    v_empty = velocity_fn(x, sigma, empty)
+        return velocity_fn(x, sigma, cond)
+    v_cond, v_empty = velocity_fn(torch.cat([x, x]), sigma, tuple(torch.cat(pair) for pair in zip(cond, empty))).chunk(2)
     return v_empty + guidance * (v_cond - v_empty)
 
 
 @torch.no_grad()
-def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, generator=None):
-    """Our own denoising loop from t = 1 to 0. With noise_level > 0 every step is an SDE step and we keep
-    what training re-scores: latents (T+1, N, ...) and log_probs (T, N). noise_level = 0 is the Euler
-    ODE x_next = x + dt·v (evaluation; log_probs None)."""
+def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step_noise=None):
+    """Our own denoising loop from t = 1 to 0. With noise_level > 0 every step is an SDE step (its noise
+    step_noise[j], or drawn) and we keep what training re-scores: latents (T+1, N, ...) and log_probs (T, N).
+    noise_level = 0 is the Euler ODE x_next = x + dt·v (evaluation; log_probs None)."""
     latents, log_probs = [noise.float()], []
     for j in range(len(sigmas) - 1):
         v = guided_velocity(velocity_fn, latents[-1], sigmas[j], cond, empty, guidance).float()
         if noise_level > 0:
             x_next, log_prob, _, _ = sde_step_with_logprob(v, latents[-1], sigmas[j], sigmas[j + 1], noise_level,
-                                                           generator=generator)
+                                                           noise=None if step_noise is None else step_noise[j])
             log_probs.append(log_prob)
         else:
             x_next = latents[-1] + (sigmas[j + 1] - sigmas[j]) * v
@@ -448,30 +451,39 @@ def train(args):
     """Rollouts with the SDE → rewards → group advantages → per-step clipped ratio + β·KL, repeated."""
     validate(args)
     common.seed_everything(args.seed)
-    device = common.get_device(args.device)
+    accelerator, device = common.setup_accelerator(args.device)
     world = build_sd3(args, device) if args.model else build_toy(args, device)
     prompts_all = world["prompts"]
     common.check_args([(args.prompts_per_epoch <= len(prompts_all),
                         f"--prompts-per-epoch {args.prompts_per_epoch} > {len(prompts_all)} prompts available")])
     params = [p for p in world["policy"].parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # §1.6: wd 1e-4, grad-norm 1.0
+    # More than one process (`accelerate launch`): the training forward goes through the DDP wrapper, which
+    # averages gradients; rollouts and evaluation use the plain network. Each rank keeps its block of groups.
+    velocity = world["velocity_of"](world["policy"])
+    train_velocity = world["velocity_of"](accelerator.prepare(world["policy"]))
+    mine = common.local_groups(args.prompts_per_epoch, accelerator)
+    rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
     train_sigmas = schedule(args.train_steps, args.shift, device)
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # §1.5: the first 9 of 10
     out_dir = Path(args.out_dir)
     logger = common.RunLogger(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.epochs,
-                              "flow_grpo", quiet=args.quiet)
+                              "flow_grpo", quiet=args.quiet,
+                              main_process=accelerator.is_main_process)
     gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate():
-        """ODE sampling at eval_steps from fixed noise: reward, accuracy, diversity (§1.5)."""
+        """ODE sampling at eval_steps from fixed noise: reward, accuracy, diversity (§1.5). Rank 0 only."""
+        if not accelerator.is_main_process:
+            return {}, None
         eval_gen = torch.Generator().manual_seed(args.seed + 1)
         prompts = [p for p in prompts_all for _ in range(args.eval_per_prompt)]
         images = []
         for chunk in range(0, len(prompts), 64):
             batch = prompts[chunk:chunk + 64]
             noise = torch.randn((len(batch), *world["latent_shape"]), generator=eval_gen).to(device)
-            latents, _ = rollout(world["velocity"], noise, eval_sigmas, world["encode"](batch), world["empty"](len(batch)),
+            latents, _ = rollout(velocity, noise, eval_sigmas, world["encode"](batch), world["empty"](len(batch)),
                                  args.guidance, 0.0)
             images.append(world["decode"](latents[-1]))
         images = torch.cat(images)
@@ -493,26 +505,30 @@ def train(args):
         before, first_ratio_dev, start = extra["before"], extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for epoch in range(start, args.epochs + 1):
-        # --- rollouts: B distinct prompts × G samples (one group per prompt, DEVIATION 3)
+        # --- rollouts: B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank draws the
+        # whole batch's prompts and noise from the same generator and keeps its rows: N processes sample
+        # exactly what one process would, and no two ranks share noise.
         pick = torch.randperm(len(prompts_all), generator=gen)[:args.prompts_per_epoch].tolist()
         prompts = [prompts_all[i] for i in pick for _ in range(args.group_size)]
+        noise = torch.randn((len(train_sigmas), len(prompts), *world["latent_shape"]), generator=gen)  # x_1, then per step
+        prompts, noise = prompts[rows], noise[:, rows].to(device)
         cond, empty = world["encode"](prompts), world["empty"](len(prompts))
-        noise = torch.randn((len(prompts), *world["latent_shape"]), generator=gen).to(device)
-        latents, old_logp = rollout(world["velocity"], noise, train_sigmas, cond, empty, args.guidance,
-                                    args.noise_level, generator=gen)  # (T+1, N, ...), (T, N)
+        latents, old_logp = rollout(velocity, noise[0], train_sigmas, cond, empty, args.guidance,
+                                    args.noise_level, step_noise=noise[1:])  # (T+1, n, ...), (T, n)
         with torch.no_grad():
             rewards = score(world["reward"], world["decode"](latents[-1]), prompts, args.reward)
         advantages = common.group_advantages(rewards, args.group_size).clamp(-args.adv_clip, args.adv_clip).to(device)
 
         # --- updates: `minibatches` optimiser steps, each summing the trained steps of its samples
-        perm = torch.randperm(len(prompts), generator=gen).to(device)
+        perm = torch.randperm(args.prompts_per_epoch * args.group_size, generator=gen)
+        perm = perm[(perm >= rows.start) & (perm < rows.stop)].to(device) - rows.start  # this rank's rows, shuffled
         stats_sum, kl_sum, n_terms = {}, 0.0, 0
-        for m, rows in enumerate(perm.chunk(args.minibatches)):
+        for m, batch in enumerate(perm.chunk(args.minibatches)):
             optimizer.zero_grad()
-            for chunk in rows.split(args.micro_batch or len(rows)):
+            for chunk in batch.split(args.micro_batch or len(batch)):
                 sub_cond, sub_empty = tuple(c[chunk] for c in cond), tuple(e[chunk] for e in empty)
                 for j in range(trained_steps):
-                    v = guided_velocity(world["velocity"], latents[j][chunk], train_sigmas[j], sub_cond, sub_empty,
+                    v = guided_velocity(train_velocity, latents[j][chunk], train_sigmas[j], sub_cond, sub_empty,
                                         args.guidance)
                     _, logp, mean, std = sde_step_with_logprob(v, latents[j][chunk], train_sigmas[j], train_sigmas[j + 1],
                                                                args.noise_level, prev_sample=latents[j + 1][chunk])
@@ -531,23 +547,24 @@ def train(args):
                         kl = gaussian_mean_kl(mean, ref_mean, std).mean()
                         loss = loss + args.beta * kl
                         kl_sum += kl.item()
-                    weight = len(chunk) / len(rows) / trained_steps
+                    weight = len(chunk) / len(batch) / trained_steps
                     if not torch.isfinite(loss):
                         raise SystemExit(f"error: non-finite loss at epoch {epoch}; lower --lr or check the reward")
-                    (loss * weight).backward()
+                    accelerator.backward(loss * weight)
                     n_terms += 1
                     for k, val in stats.items():
                         stats_sum[k] = stats_sum.get(k, 0.0) + val
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
+        rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch's rewards; loss stats are rank 0's
         record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
                   "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size), "kl": kl_sum / n_terms,
                   "first_ratio_dev": first_ratio_dev, **{k: v / n_terms for k, v in stats_sum.items()}}
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             record |= {f"eval_{k}": v for k, v in evaluate()[0].items()}
         logger.log(epoch, **record)
-        if args.save_every and epoch % args.save_every == 0:
+        if args.save_every and epoch % args.save_every == 0 and accelerator.is_main_process:
             common.save_training_state(checkpoint, epoch, *state_objects, extra={
                 "before": before, "first_ratio_dev": first_ratio_dev, "records": logger.records})
 
@@ -555,10 +572,11 @@ def train(args):
         print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training differ")
     after, images_after = evaluate()
     logger.records[-1] |= {f"eval_{k}": v for k, v in after.items()}
-    world["save"](out_dir)
+    if accelerator.is_main_process:
+        world["save"](out_dir)
     summary = {**{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
                "first_step_ratio_max_dev": first_ratio_dev, **world["info"]}
-    if world["is_correct"] is not None:
+    if world["is_correct"] is not None and accelerator.is_main_process:
         plot_digit_grid(images_before, images_after, args.eval_per_prompt, out_dir / "samples.png")
     return logger.finish(summary, [("reward.png", ["reward", "zero_var_frac"], "flow_grpo: training reward"),
                                    ("eval.png", ["eval_accuracy", "eval_reward"], "flow_grpo: ODE evaluation"),

@@ -267,6 +267,33 @@ def avg_at_k(model, tokenizer, eval_rows, args):
     return {"avg_at_k": sum(scores) / max(len(scores), 1)}
 
 
+# ----------------------------------------------------------------------------- rollouts
+
+
+@torch.no_grad()
+def sample_groups(model, tokenizer, prompts, group_size, seeds, max_new_tokens, temperature, stop_at_eos):
+    """G completions of each prompt, each group sampled from its own seed, merged into one padded batch
+    (prompts left-padded to a common length P, completions right-padded) → (seq, attn, mask, P).
+
+    `generate` draws from torch's global RNG, so seeding it per group (not per process) makes a group's
+    samples the same whichever rank draws them: N processes sample exactly what one process would."""
+    parts = []
+    for prompt, seed in zip(prompts, seeds):
+        torch.manual_seed(seed)
+        parts.append(common.sample_completions(model, tokenizer, [prompt] * group_size, max_new_tokens, temperature,
+                                               stop_at_eos))
+    width_p = max(plen for _, _, _, plen in parts)
+    width_c = max(mask.shape[1] for _, _, mask, _ in parts)
+
+    def pad(x, plen, value):  # (left pad the prompt part, right pad the completion part)
+        return nn.functional.pad(x, (width_p - plen, width_c - (x.shape[1] - plen)), value=value)
+
+    seq = torch.cat([pad(seq, plen, tokenizer.pad_token_id) for seq, _, _, plen in parts])
+    attn = torch.cat([pad(attn, plen, 0) for _, attn, _, plen in parts])
+    mask = torch.cat([nn.functional.pad(mask, (0, width_c - mask.shape[1])) for _, _, mask, _ in parts])
+    return seq, attn, mask, width_p
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -284,7 +311,7 @@ def train(args):
     """Roll out G answers per prompt, score them, then TB (FlowRL) or clipped-surrogate (GRPO) updates."""
     validate(args)
     common.seed_everything(args.seed)
-    device = common.get_device(args.device)
+    accelerator, device = common.setup_accelerator(args.device)
     tokenizer, model, task = build_full(args) if args.model else build_toy(args)
     model.to(device)
     toy = task["answers"] is None
@@ -295,12 +322,20 @@ def train(args):
     if args.algo == "flowrl":
         groups.append({"params": head.parameters(), "lr": args.logz_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    # More than one process (`accelerate launch`): DDP wrappers for the training forward, which average the
+    # gradients; sampling and evaluation use the plain modules. Each rank rolls out its own block of groups.
+    train_model = accelerator.prepare(model)
+    train_head = accelerator.prepare(head) if args.algo == "flowrl" else head
+    mine = common.local_groups(args.prompts_per_step, accelerator)
     out_dir = Path(args.out_dir or f"runs/flowrl{'-grpo' if args.algo == 'grpo' else ''}")
     logger = common.RunLogger(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
-                              f"{args.algo}", quiet=args.quiet)
+                              f"{args.algo}", quiet=args.quiet,
+                              main_process=accelerator.is_main_process)
     gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate():
+        if not accelerator.is_main_process:  # only rank 0 logs, so only it evaluates
+            return {}
         model.eval()
         metrics = (exact_metrics(model, ref_model, tokenizer, task, args.beta) if toy
                    else avg_at_k(model, tokenizer, task["eval"], args) if task["eval"] else {})
@@ -316,13 +351,15 @@ def train(args):
         first, first_ratio_dev, start = extra["first"], extra["first_ratio_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        # --- rollouts: B prompts × G samples, the G samples of a prompt contiguous
-        idx = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen).repeat_interleave(args.group_size)
+        # --- rollouts: B prompts × G samples, the G samples of a prompt contiguous; this rank's groups only
+        picked = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen)[mine.start:mine.stop]
+        seeds = [common.sampling_seed(args.seed, step, g) for g in mine]
+        idx = picked.repeat_interleave(args.group_size)
         model.eval()
         with torch.no_grad():
-            seq, attn, comp_mask, plen = common.sample_completions(
-                model, tokenizer, [task["prompts"][i] for i in idx], args.max_new_tokens, args.temperature,
-                stop_at_eos=not toy)
+            seq, attn, comp_mask, plen = sample_groups(model, tokenizer, [task["prompts"][i] for i in picked],
+                                                       args.group_size, seeds, args.max_new_tokens, args.temperature,
+                                                       stop_at_eos=not toy)
             texts = tokenizer.batch_decode(seq[:, plen:] * comp_mask, skip_special_tokens=True)
             rewards = torch.tensor([task["reward"](i, t) for i, t in zip(idx.tolist(), texts)], dtype=torch.float32)
             old_logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]  # (B·G, T)
@@ -334,12 +371,12 @@ def train(args):
 
         # --- updates on this batch
         for inner in range(args.inner_steps):
-            logp, hidden = common.completion_logprobs(model, seq, attn, return_hidden=True)
+            logp, hidden = common.completion_logprobs(train_model, seq, attn, return_hidden=True)
             logp = logp[:, plen - 1:]
             if inner == 0:
                 first_ratio_dev = max(first_ratio_dev, (logp.detach() - old_logp).exp().sub(1).abs().max().item())
             if args.algo == "flowrl":
-                log_z = head(hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen], attn[:, :plen].float())
+                log_z = train_head(hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen], attn[:, :plen].float())
                 weight = importance_weight(common.sequence_logprob(logp, mask), common.sequence_logprob(old_logp, mask),
                                            args.clip_eps)
                 loss, residual = trajectory_balance_loss(
@@ -352,17 +389,18 @@ def train(args):
             if not torch.isfinite(loss):
                 raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
             optimizer.zero_grad()
-            loss.backward()
+            accelerator.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
 
+        rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole step's rewards; loss stats are rank 0's
         record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), "loss": loss.item(),
                   "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
                   "first_ratio_dev": first_ratio_dev, **stats}
         if step % args.eval_every == 0 or step == args.steps:
             record |= {k: v for k, v in evaluate().items() if k != "dists"}
         logger.log(step, **record)
-        if args.save_every and step % args.save_every == 0:
+        if args.save_every and step % args.save_every == 0 and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects, extra={
                 "first": {k: v for k, v in first.items() if k != "dists"}, "first_ratio_dev": first_ratio_dev,
                 "records": logger.records})
@@ -373,12 +411,12 @@ def train(args):
     summary = {k: v for k, v in final.items() if k != "dists"} | {
         "algo": args.algo, "first_step_ratio_max_dev": first_ratio_dev,
         "before": {k: v for k, v in first.items() if k != "dists"}}
-    if toy:
+    if toy and final:
         plot_valleys(final["dists"][0], out_dir / "valleys.png", args.algo)
     plots = [("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL to p*"),
              ("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")] if toy else \
             [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
-    if not toy:
+    if not toy and accelerator.is_main_process:
         model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (§2.3)
         tokenizer.save_pretrained(out_dir / "policy")
     return logger.finish(summary, plots)

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 import common
 
@@ -562,14 +563,16 @@ def evaluate(world, entries, token, args):
     return sum(bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs) / len(runs)
 
 
-def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint):
+def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed (GRPO),
-    one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3)."""
+    one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3).
+    With N processes each rank rolls out its block of tasks with its own noise (DDP averages gradients)."""
     model, tokenizer = world["model"], world["tokenizer"]
     reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
+    mine = common.local_groups(args.tasks_per_step, accelerator)
     first_ratio_dev, zero_var, start = 0.0, [], 1
     state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
@@ -577,10 +580,13 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         first_ratio_dev, zero_var, start = extra["first_ratio_dev"], extra["zero_var"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        pick = torch.randint(len(world["train"]), (args.tasks_per_step,), generator=gen).tolist()
-        entries = [world["train"][i] for i in pick for _ in range(args.group_size)]
-        tokens = (sample_reward_tokens(len(entries), args.p_high, gen) if reward_conditioned
-                  else [HIGH if use_tokens else None] * len(entries))
+        pick = torch.randint(len(world["train"]), (args.tasks_per_step,), generator=gen)
+        tokens = (sample_reward_tokens(len(pick) * args.group_size, args.p_high, gen) if reward_conditioned
+                  else [HIGH if use_tokens else None] * len(pick) * args.group_size)
+        local = slice(mine.start * args.group_size, mine.stop * args.group_size)  # this rank's groups
+        entries, tokens = [world["train"][i] for i in pick.repeat_interleave(args.group_size).tolist()][local], tokens[local]
+        if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
+            torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
         runs = run_rollouts(world, entries, tokens, args.temperature, args.max_steps, args.max_new_tokens)
         rewards = torch.tensor([r["reward"] for r in runs])
         advantages = common.group_advantages(rewards, args.group_size)  # §3.3 one group per task, across tokens
@@ -590,7 +596,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         old_logp = common.place_logprobs(mask, [s["old_logp"] for s, _ in rows])
         ref_logp = common.reference_logprobs(model, reference, ids, attn, args.temperature)
         model.train()
-        logp = common.completion_logprobs(model, ids, attn, temperature=args.temperature)
+        logp = common.completion_logprobs(world["train_model"], ids, attn, temperature=args.temperature)
         first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
         loss, stats = common.clipped_policy_loss(logp, old_logp, torch.tensor([a for _, a in rows], device=model.device),
                                                  mask, args.clip_eps)
@@ -599,17 +605,20 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         if not torch.isfinite(loss):
             raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
         optimizer.zero_grad()
-        loss.backward()
+        accelerator.backward(loss)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
+        # the whole step's tokens and rewards for the log (loss stats stay rank 0's)
+        runs = gather_object([{"token": r["token"], "reward": r["reward"]} for r in runs])
+        rewards = torch.tensor([r["reward"] for r in runs])
         zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
         by_token = {t: [r["reward"] for r in runs if r["token"] == t] for t in REWARD_TOKENS}
         logger.log(step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(), kl=kl.item(),
                    entropy=-common.masked_mean(old_logp, mask).item(),  # −mean log π of sampled tokens
                    success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
                    success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])), first_ratio_dev=first_ratio_dev, **stats)
-        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+        if args.save_every and (step % args.save_every == 0 or step == args.steps) and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects, extra={
                 "first_ratio_dev": first_ratio_dev, "zero_var": zero_var, "records": logger.records})
     return {"zero_variance_fraction": sum(zero_var) / len(zero_var), "first_step_ratio_max_dev": first_ratio_dev}
@@ -634,7 +643,7 @@ def train(args):
     arms = validate(args)
     start = time.time()
     common.seed_everything(args.seed)
-    device = common.get_device(args.device)
+    accelerator, device = common.setup_accelerator(args.device)
     world = build_bfcl(args, device) if args.model else build_toy(args, device)
     model = world["model"].to(device)
     if args.max_tasks:
@@ -646,6 +655,8 @@ def train(args):
 
         model = world["model"] = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                                                   target_modules="all-linear", task_type="CAUSAL_LM"))
+    # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its groups.
+    world["train_model"] = accelerator.prepare(model)  # DDP wrapper (N processes) for the GRPO loss
     states = {"base": copy.deepcopy(model.state_dict())}
     summary = {"base_accuracy": evaluate(world, world["test"], None, args)}
     needed = {a.split("+")[0] for a in arms}
@@ -667,20 +678,23 @@ def train(args):
         model.load_state_dict(states[init])
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
-        logger = common.RunLogger(out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet)
-        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger, out_dir / arm / "checkpoint.safetensors")
+        logger = common.RunLogger(out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet,
+                                  main_process=accelerator.is_main_process)
+        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger, out_dir / arm / "checkpoint.safetensors",
+                          accelerator)
         result["accuracy"] = evaluate(world, world["test"], HIGH if use_tokens else None, args)
         if use_tokens:  # what the same weights do when asked for a low reward (not used for the result)
             result["accuracy_under_low_token"] = evaluate(world, world["test"], LOW, args)
         summary[arm] = logger.finish(result, [("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
                                               ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")])
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
-        if args.model:
+        if args.model and accelerator.is_main_process:
             model.save_pretrained(out_dir / arm / "policy")
             world["tokenizer"].save_pretrained(out_dir / arm / "policy")
-    common.plot_curves(curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step", "fraction")
     summary |= {"test_tasks": len(world["test"]), "wall_seconds": round(time.time() - start, 2)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if accelerator.is_main_process:
+        common.plot_curves(curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step", "fraction")
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.quiet:
         print(results_table(summary, arms))
     return summary

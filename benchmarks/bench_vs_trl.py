@@ -44,10 +44,11 @@ def ours(hidden):
         with torch.no_grad():
             seq, attn, mask, plen = common.sample_completions(model, tokenizer, prompts, NEW_TOKENS)
             rewards = torch.tensor(reward(tokenizer.batch_decode(seq[:, plen:] * mask, skip_special_tokens=True)))
-            old_logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]
         model.train()
         logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]
-        loss, _ = common.clipped_policy_loss(logp, old_logp, common.group_advantages(rewards, GROUP), mask.float())
+        # One update per batch: the sampling policy is the current one, so old_logp = logp.detach() (ratio ≡ 1,
+        # the same gradient) and no separate no-grad scoring pass is needed; TRL does the same.
+        loss, _ = common.clipped_policy_loss(logp, logp.detach(), common.group_advantages(rewards, GROUP), mask.float())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

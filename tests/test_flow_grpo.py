@@ -53,8 +53,7 @@ def test_sde_step_hand_numbers_and_the_t_equals_one_substitution():
 def test_logprob_is_the_gaussian_density_and_rescoring_reproduces_it():
     torch.manual_seed(0)
     x, v = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
-    gen = torch.Generator().manual_seed(1)
-    prev, log_prob, mean, std = flow_grpo.sde_step_with_logprob(v, x, 0.8, 0.7, 0.7, generator=gen)
+    prev, log_prob, mean, std = flow_grpo.sde_step_with_logprob(v, x, 0.8, 0.7, 0.7)
     independent = torch.distributions.Normal(mean, std).log_prob(prev).flatten(1).mean(1)
     torch.testing.assert_close(log_prob, independent)
     _, rescored, _, _ = flow_grpo.sde_step_with_logprob(v, x, 0.8, 0.7, 0.7, prev_sample=prev)
@@ -73,8 +72,8 @@ def test_sde_and_ode_sampling_reach_the_same_marginal(noise_level):
     sigmas = flow_grpo.schedule(200, 1.0, torch.device("cpu"))
     noise = torch.randn(20000, 4, generator=torch.Generator().manual_seed(0))
     ode, _ = flow_grpo.rollout(velocity, noise, sigmas, (None,), (None,), 1.0, 0.0)
-    sde, log_probs = flow_grpo.rollout(velocity, noise, sigmas, (None,), (None,), 1.0, noise_level,
-                                       generator=torch.Generator().manual_seed(1))
+    step_noise = torch.randn(200, 20000, 4, generator=torch.Generator().manual_seed(1))
+    sde, log_probs = flow_grpo.rollout(velocity, noise, sigmas, (None,), (None,), 1.0, noise_level, step_noise)
     for final in (ode[-1], sde[-1]):
         assert final.mean().item() == pytest.approx(mu, abs=0.01)
         assert final.std().item() == pytest.approx(s0, abs=0.01)
@@ -99,7 +98,7 @@ def test_kl_is_zero_for_equal_means_and_hand_checked_otherwise():
 def test_classifier_free_guidance():
     velocity = lambda x, t, cond: x * cond[0]  # noqa: E731  (v_c = 3x, v_∅ = x)
     x = torch.ones(2, 1)
-    out = flow_grpo.guided_velocity(velocity, x, 0.5, (torch.tensor(3.0),), (torch.tensor(1.0),), 4.5)
+    out = flow_grpo.guided_velocity(velocity, x, 0.5, (torch.full((2, 1), 3.0),), (torch.ones(2, 1),), 4.5)
     torch.testing.assert_close(out, x * (1 + 4.5 * 2))
 
 
@@ -174,13 +173,14 @@ def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
         for name, p in world["policy"].named_parameters():
             if "lora_B" in name:
                 p.add_(0.1)  # move the adapter away from its zero init
-        policy_v, ref_v = world["velocity"](x, sigma, cond), world["ref_velocity"](x, sigma, cond)
+        velocity = world["velocity_of"](world["policy"])
+        policy_v, ref_v = velocity(x, sigma, cond), world["ref_velocity"](x, sigma, cond)
         base_v = base(hidden_states=x, timestep=1000 * sigma[None], encoder_hidden_states=cond[0],
                       pooled_projections=cond[1])[0]
     torch.testing.assert_close(ref_v, base_v)
     assert (policy_v - ref_v).abs().max() > 1e-4
     # and the adapter is back on after the reference pass
-    torch.testing.assert_close(world["velocity"](x, sigma, cond), policy_v)
+    torch.testing.assert_close(velocity(x, sigma, cond), policy_v)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -91,7 +91,7 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
 @pytest.mark.slow
 def test_toy_flowrl_matches_the_target_and_grpo_does_not(tmp_path):
     flow = flowrl.train(toy_args(tmp_path / "flowrl"))
-    grpo = flowrl.train(toy_args(tmp_path / "grpo", "--algo", "grpo"))
+    grpo = flowrl.train(toy_args(tmp_path / "grpo", "--algo", "grpo", "--steps", "100"))  # it has collapsed by 75
     assert flow["kl_policy_to_target"] < 0.6 * flow["before"]["kl_policy_to_target"]  # well below its start
     assert grpo["kl_policy_to_target"] > 3 * flow["kl_policy_to_target"]
     assert flow["modes_covered"] > grpo["modes_covered"]

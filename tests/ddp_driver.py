@@ -1,0 +1,33 @@
+"""Run a script's `train` under torchrun (or alone) and save this rank's trainable parameters.
+
+    torchrun --nproc_per_node 2 tests/ddp_driver.py flowrl OUT_FILE_PREFIX --steps 2 ...
+
+Used by tests/test_distributed.py: the optimiser is the one object every script hands all its
+trainable tensors to, so a recording AdamW captures them without touching the scripts.
+"""
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+optimizers = []
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        optimizers.append(self)
+
+
+if __name__ == "__main__":
+    torch.optim.AdamW = RecordingAdamW
+    script, prefix = sys.argv[1], sys.argv[2]
+    module = importlib.import_module(script)
+    module.train(common.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
+    params = [p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]]
+    torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
