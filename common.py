@@ -316,7 +316,7 @@ def setup_accelerator(device_name="auto"):
 
 def local_groups(num_groups, accelerator):
     """This rank's contiguous block of the step's groups: range(lo, hi). Every member of a group lands on
-    the same rank, so its advantage (Eq. 2) is computed from the whole group there, as in one process."""
+    the same rank, so its advantage (REFERENCES.md §0) is computed from the whole group there, as in one process."""
     world, rank = accelerator.num_processes, accelerator.process_index
     if num_groups % world:
         raise SystemExit(f"error: {num_groups} groups per step do not split evenly over {world} processes")

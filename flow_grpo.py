@@ -85,7 +85,8 @@ class Args:
     eval_every: int = dataclasses.field(default=10, metadata={"help": "epochs between evaluations"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
     out_dir: str = dataclasses.field(default="runs/flow_grpo", metadata={"help": "output folder"})
-    device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
+    device: str = dataclasses.field(default="auto", metadata={
+        "help": "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU", "choices": ["auto", "cpu"]})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
     save_every: int = dataclasses.field(default=50, metadata={"help": "epochs between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})

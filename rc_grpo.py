@@ -80,7 +80,8 @@ class Args:
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
     out_dir: str = dataclasses.field(default="runs/rc_grpo", metadata={"help": "output folder"})
-    device: str = dataclasses.field(default="auto", metadata={"help": "cuda, mps, cpu or auto"})
+    device: str = dataclasses.field(default="auto", metadata={
+        "help": "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU", "choices": ["auto", "cpu"]})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
     save_every: int = dataclasses.field(default=10, metadata={"help": "GRPO steps between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={
