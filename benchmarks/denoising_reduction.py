@@ -1,12 +1,15 @@
-"""Denoising reduction (Flow-GRPO §1.5): cost of one training epoch (rollouts + update) at 10 vs 40 steps.
+"""Denoising reduction (Flow-GRPO §1.5): cost of one training epoch at 10 vs 40 rollout steps, and its split.
 
-    python benchmarks/denoising_reduction.py            # toy, CPU; prints the per-epoch times and their ratio
+    python benchmarks/denoising_reduction.py            # toy, CPU; prints per-epoch times, ratio and split
 
-Time per epoch is read from metrics.jsonl (the gap between consecutive epochs, evaluation excluded).
+Time per epoch is read from metrics.jsonl (the gap between consecutive epochs, evaluation excluded); the
+split times the script's own `rollout` (SDE rollouts only) and `score` (training calls only) functions, and
+the update is the rest of the epoch. The first epoch is a warm-up and is left out.
 """
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -14,18 +17,37 @@ import common  # noqa: E402
 import flow_grpo  # noqa: E402
 
 
-def seconds_per_epoch(train_steps, epochs=20):
-    with tempfile.TemporaryDirectory() as tmp:
-        args = common.parse_args(flow_grpo.Args, flow_grpo.PRESETS, [
-            "--quiet", "--epochs", str(epochs), "--eval-every", "1000", "--eval-per-prompt", "2",
-            "--train-steps", str(train_steps), "--out-dir", tmp])
-        flow_grpo.train(args)
-        secs = [json.loads(line)["sec"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    return (secs[-1] - secs[1]) / (len(secs) - 2)  # skip the first epoch (warm-up)
+def timed(fn, log, keep=lambda *args: True):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if keep(*args):
+            log.append(time.perf_counter() - start)
+        return out
+    return wrapper
+
+
+def epoch_costs(train_steps, epochs=20):
+    rollouts, rewards = [], []
+    original = flow_grpo.rollout, flow_grpo.score
+    flow_grpo.rollout = timed(flow_grpo.rollout, rollouts, keep=lambda *args: args[6] > 0)  # SDE, not the eval ODE
+    flow_grpo.score = timed(flow_grpo.score, rewards)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = common.parse_args(flow_grpo.Args, flow_grpo.PRESETS, [
+                "--quiet", "--epochs", str(epochs), "--eval-every", "1000", "--eval-per-prompt", "2",
+                "--train-steps", str(train_steps), "--out-dir", tmp])
+            flow_grpo.train(args)
+            secs = [json.loads(line)["sec"] for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        flow_grpo.rollout, flow_grpo.score = original
+    epoch = (secs[-1] - secs[1]) / (len(secs) - 2)
+    rollout = sum(rollouts[2:]) / (len(rollouts) - 2)  # epochs 3.. end where secs[1] .. secs[-1] measure
+    reward = sum(rewards[3:-1]) / (len(rewards) - 4)  # the first and last calls score the evaluations
+    return {"epoch": round(epoch, 4), "rollout": round(rollout, 4), "reward": round(reward, 4),
+            "update": round(epoch - rollout - reward, 4)}
 
 
 if __name__ == "__main__":
-    fast, full = seconds_per_epoch(10), seconds_per_epoch(40)
-    result = {"sec_per_epoch_10_steps": round(fast, 4), "sec_per_epoch_40_steps": round(full, 4),
-              "ratio": round(full / fast, 2)}
-    print(json.dumps(result))
+    fast, full = epoch_costs(10), epoch_costs(40)
+    print(json.dumps({"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)}))
