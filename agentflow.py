@@ -28,6 +28,7 @@ Deviations (numbered, on purpose):
 
 Toy (default, CPU, a few minutes):   python agentflow.py
 Full scale (one GPU):                python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl
+N GPUs (DDP, README):               accelerate launch --num_processes N agentflow.py --preset full ...
 """
 import copy
 import dataclasses

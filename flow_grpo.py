@@ -33,6 +33,7 @@ Deviations (numbered, on purpose):
 
 Toy (default, CPU, about a minute):   python flow_grpo.py
 Full scale (one GPU, SD3.5-Medium):   python flow_grpo.py --preset sd3 --prompts prompts.txt
+N GPUs (DDP, README):                 accelerate launch --num_processes N flow_grpo.py --preset sd3 ...
 """
 import copy
 import dataclasses

@@ -29,6 +29,7 @@ Deviations (numbered, on purpose):
 
 Toy (default, CPU, under a minute each):      python flowrl.py            python flowrl.py --algo grpo
 Full scale (one GPU, math recipe):    python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
+N GPUs (DDP, README):                accelerate launch --num_processes N flowrl.py --preset full ...
 """
 import copy
 import dataclasses

@@ -35,6 +35,7 @@ Deviations (numbered, on purpose):
 
 Toy (default, CPU, four arms):   python rc_grpo.py
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
+N GPUs (DDP, README):           accelerate launch --num_processes N rc_grpo.py --preset bfcl
 """
 import ast
 import copy
