@@ -130,7 +130,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware")
     args = parser.parse_args()
-    device = common.get_device("auto")
+    _, device = common.setup_accelerator("auto")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
         small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
