@@ -1,0 +1,16 @@
+"""The GPU check is only run for real on a GPU, so its code path is exercised here with tiny configs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_with_tiny_configs_on_cpu():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["preset"] for r in rows] == ["tiny-full", "tiny-lora", "sd3.5-medium+lora"]
+    assert all(r.get("train_tokens_per_s", r.get("update_images_per_s", 0)) > 0 for r in rows)
