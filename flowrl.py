@@ -35,7 +35,7 @@ import copy
 import dataclasses
 import itertools
 import json
-import re
+
 from pathlib import Path
 
 import torch
@@ -44,7 +44,6 @@ import torch.nn as nn
 import common
 
 # ----------------------------------------------------------------------------- args
-
 
 @dataclasses.dataclass
 class Args:
@@ -70,6 +69,11 @@ class Args:
     eval_k: int = dataclasses.field(default=4, metadata={"help": "k of Avg@k (paper: 16)"})
     eval_every: int = dataclasses.field(default=25, metadata={"help": "steps between evaluations"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
+    micro_batch_tokens: int = dataclasses.field(default=4096, metadata={
+        "help": "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)"})
+    gen_batch: int = dataclasses.field(default=64, metadata={"help": "prompts per `generate` call"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute activations in the backward pass (full preset: on)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
     out_dir: str = dataclasses.field(default="", metadata={"help": "output folder (default runs/flowrl[-grpo])"})
     device: str = dataclasses.field(default="auto", metadata={
@@ -78,12 +82,13 @@ class Args:
     save_every: int = dataclasses.field(default=50, metadata={"help": "steps between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
-
 # Paper recipe (REFERENCES.md §2.2–§2.4): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
 # rollouts and 0.6 for Avg@16. 8k-token responses do not fit one GPU with 8 samples; 1024 here.
+# With inner_steps = 1 every sample is on-policy, so w ≡ 1: the clip matters only with --inner-steps > 1.
 PRESETS = {"full": dict(model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8, group_size=8,
                         inner_steps=1, max_new_tokens=1024, beta=15.0, reward_norm="group", lr=1e-6,
-                        logz_lr=1e-6, eval_k=16, eval_every=50)}
+                        logz_lr=1e-6, eval_k=16, eval_every=50, micro_batch_tokens=8192, gen_batch=16,
+                        gradient_checkpointing=True)}
 
 # ----------------------------------------------------------------------------- the toy task
 
@@ -91,14 +96,12 @@ SYMBOLS = list("abcd")
 TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
 VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0
 
-
 def toy_reward_table(seed):
     """For each toy prompt, six 3-symbol answers with rewards VALLEYS (modes of different fertility)."""
     gen = torch.Generator().manual_seed(seed)
     answers = [" ".join(a) for a in itertools.product(SYMBOLS, repeat=3)]
     return [{answers[j]: r for j, r in zip(torch.randperm(len(answers), generator=gen)[:len(VALLEYS)].tolist(), VALLEYS)}
             for _ in TOY_PROMPTS]
-
 
 def build_toy(args):
     """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol strings."""
@@ -121,41 +124,17 @@ def build_toy(args):
             "reward": lambda i, text: table[i].get(text.strip(), 0.0)}
     return tokenizer, model, task
 
-
 # ----------------------------------------------------------------------------- the full-scale task
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
-
-def extract_answer(text):
-    """The last \\boxed{...} (braces balanced), else the last number in the text, else ''."""
-    start = text.rfind("\\boxed{")
-    if start >= 0:
-        depth, i = 1, start + len("\\boxed{")
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i:j]
-    numbers = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", text)
-    return numbers[-1] if numbers else ""
-
-
-def normalize_answer(ans):
-    """Strip spaces, $, \\! and a trailing period; '1/2', '0.5' and '\\frac{1}{2}' compare numerically."""
-    ans = re.sub(r"\\[!,;]|\$|\s|\\text\{[^}]*\}", "", str(ans)).rstrip(".")
-    ans = re.sub(r"\\d?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", ans)
-    try:
-        num, _, den = ans.partition("/")
-        value = float(num) / float(den) if den else float(num)
-        return f"{value:.6g}"
-    except ValueError:
-        return ans
-
-
 def math_reward(text, answer):
-    """1 if the extracted final answer equals the reference after normalisation, else 0 (§2.4)."""
-    return float(normalize_answer(extract_answer(text)) == normalize_answer(answer))
+    """1 if the completion's final answer equals the reference, else 0 (§2.4), by HF's math-verify: the last
+    \\boxed{} (or final expression) of the text, compared symbolically (fractions, LaTeX, units, sets)."""
+    from math_verify import parse, verify
 
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    return float(bool(gold) and verify(gold, parse(text)))
 
 def load_math_jsonl(path):
     """[(prompt, answer)] from JSONL lines with a 'prompt' or 'problem' field and an 'answer' field."""
@@ -175,10 +154,10 @@ def load_math_jsonl(path):
         raise SystemExit(f"error: {path} has no rows")
     return rows
 
-
-def build_full(args):
+def build_full(args, device):
     """HF causal LM (optionally LoRA) + the math task; prompts use the chat template when there is one."""
-    tokenizer, model = common.load_causal_lm(args.model, lora_rank=args.lora_rank)
+    tokenizer, model = common.load_causal_lm(args.model, device, args.lora_rank,
+                                             gradient_checkpointing=args.gradient_checkpointing)
     rows = load_math_jsonl(args.data)
 
     def render(question):
@@ -192,9 +171,7 @@ def build_full(args):
             "eval": [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []}
     return tokenizer, model, task
 
-
 # ----------------------------------------------------------------------------- the algorithm
-
 
 class LogZHead(nn.Module):
     """log Z_φ(x): Linear–GELU–LayerNorm–Dropout(0.1) twice, then Linear → 1 (REFERENCES.md §2.3).
@@ -212,27 +189,38 @@ class LogZHead(nn.Module):
         pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(min=1)
         return self.net(pooled.float()).squeeze(-1)
 
-
 def importance_weight(logp_sum, old_logp_sum, clip_eps):
-    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (REFERENCES.md §2.2; DEVIATION 2)."""
+    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (§2.2; DEVIATION 2)."""
     return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
 
-
-def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight):
-    """L = mean_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (§2.2)
+def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_rows=None):
+    """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (§2.2)
 
     logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); weight: w (B,).
+    N = num_rows (the whole step's rows, so micro-batches add up to the step's mean; default B).
     Returns (loss, residual). At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its normaliser.
     """
-    residual = log_z + logp - beta * reward - ref_logp  # §2.2
-    return (weight * residual**2).mean(), residual
+    residual = log_z + logp - beta * reward - ref_logp  # §2.2 the TB residual
+    return (weight * residual**2).sum() / (num_rows or len(residual)), residual
 
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
+    """The baseline's clipped surrogate (§0): L = −Σ_t min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) / N_tokens.
+
+    ρ_t = exp(logp − old_logp) per token; N_tokens counts the step's completion tokens (token-mean), so
+    micro-batches add up to the one-shot loss. Returns (loss, stats)."""
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -advantages[:, None] * ratio
+    pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch
+    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item()}
+    return (pg_loss * mask).sum() / token_count, stats
 
 @torch.no_grad()
 def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     """Enumerate every length-3 answer over the whole vocabulary (V³ per prompt) and compute exactly:
     π_θ(·|x), p*(·|x) ∝ π_ref·exp(β·|y|·r) (DEVIATION 3), KL(π‖p*), KL(p*‖π), E_π[r], E_p*[r] and the
-    number of rewarded modes that hold ≥ 5% of their target mass. Averaged over the toy prompts."""
+    number of rewarded modes that hold ≥ 5% of their target mass. Averaged over the toy prompts.
+    ref_model None: π_ref is `model` with its LoRA adapter disabled."""
     vocab = len(tokenizer)
     answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
     texts = [tokenizer.decode(a) for a in answers.tolist()]
@@ -240,10 +228,10 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
            "modes_covered": 0, "modes_total": 0, "dists": []}
     for i, prompt in enumerate(task["prompts"]):
         prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1)
+        seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1).to(model.device)
         mask = torch.ones_like(seq)
-        logp = common.completion_logprobs(model, seq, mask)[:, -length:].sum(-1)
-        ref_logp = common.completion_logprobs(ref_model, seq, mask)[:, -length:].sum(-1)
+        logp = common.completion_logprobs(model, seq, mask, length).sum(-1).cpu()
+        ref_logp = common.reference_logprobs(model, ref_model, seq, mask, length).sum(-1).cpu()
         reward = torch.tensor([task["reward"](i, t) for t in texts])
         log_target = torch.log_softmax(ref_logp + beta * length * reward, 0)
         pi, target = logp.exp(), log_target.exp()
@@ -257,47 +245,31 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         out["dists"].append((texts, pi.tolist(), target.tolist(), reward.tolist()))
     return out
 
-
 @torch.no_grad()
 def avg_at_k(model, tokenizer, eval_rows, args):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (§2.4)."""
-    scores = []
-    for prompt, answer in eval_rows:
-        seq, _, mask, plen = common.sample_completions(model, tokenizer, [prompt] * args.eval_k, args.max_new_tokens,
-                                                       args.eval_temperature)
-        scores += [math_reward(t, answer) for t in tokenizer.batch_decode(seq[:, plen:] * mask, skip_special_tokens=True)]
-    return {"avg_at_k": sum(scores) / max(len(scores), 1)}
-
+    prompts = [prompt for prompt, _ in eval_rows for _ in range(args.eval_k)]
+    answers = [answer for _, answer in eval_rows for _ in range(args.eval_k)]
+    samples = common.sample_completions(model, tokenizer, prompts, args.max_new_tokens, args.eval_temperature,
+                                        batch_rows=args.gen_batch)
+    return {"avg_at_k": sum(math_reward(text, a) for (text, _, _), a in zip(samples, answers)) / len(samples)}
 
 # ----------------------------------------------------------------------------- rollouts
 
-
 @torch.no_grad()
-def sample_groups(model, tokenizer, prompts, group_size, seeds, max_new_tokens, temperature, stop_at_eos):
-    """G completions of each prompt, each group sampled from its own seed, merged into one padded batch
-    (prompts left-padded to a common length P, completions right-padded) → (seq, attn, mask, P).
+def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eos):
+    """G completions of each prompt → [(text, completion ids, sampler log-probs)], a group's G contiguous.
 
     `generate` draws from torch's global RNG, so seeding it per group (not per process) makes a group's
     samples the same whichever rank draws them: N processes sample exactly what one process would."""
-    parts = []
+    samples = []
     for prompt, seed in zip(prompts, seeds):
         torch.manual_seed(seed)
-        parts.append(common.sample_completions(model, tokenizer, [prompt] * group_size, max_new_tokens, temperature,
-                                               stop_at_eos))
-    width_p = max(plen for _, _, _, plen in parts)
-    width_c = max(mask.shape[1] for _, _, mask, _ in parts)
-
-    def pad(x, plen, value):  # (left pad the prompt part, right pad the completion part)
-        return nn.functional.pad(x, (width_p - plen, width_c - (x.shape[1] - plen)), value=value)
-
-    seq = torch.cat([pad(seq, plen, tokenizer.pad_token_id) for seq, _, _, plen in parts])
-    attn = torch.cat([pad(attn, plen, 0) for _, attn, _, plen in parts])
-    mask = torch.cat([nn.functional.pad(mask, (0, width_c - mask.shape[1])) for _, _, mask, _ in parts])
-    return seq, attn, mask, width_p
-
+        samples += common.sample_completions(model, tokenizer, [prompt] * group_size, args.max_new_tokens,
+                                             args.temperature, stop_at_eos, args.gen_batch)
+    return samples
 
 # ----------------------------------------------------------------------------- the loop
-
 
 def validate(args):
     common.check_args([(args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
@@ -305,16 +277,18 @@ def validate(args):
                        (args.logz_lr > 0, f"--logz-lr must be > 0 (got {args.logz_lr})"),
                        (args.clip_eps > 0, f"--clip-eps must be > 0 (got {args.clip_eps})"),
                        (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
+                       (args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
+                        "--micro-batch-tokens and --gen-batch must be ≥ 1"),
                        (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
-                       (bool(args.model) == bool(args.data), "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy")])
-
+                       (bool(args.model) == bool(args.data),
+                        "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy")])
 
 def train(args):
     """Roll out G answers per prompt, score them, then TB (FlowRL) or clipped-surrogate (GRPO) updates."""
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
-    tokenizer, model, task = build_full(args) if args.model else build_toy(args)
+    tokenizer, model, task = build_full(args, device) if args.model else build_toy(args)
     model.to(device)
     toy = task["answers"] is None
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (§2.2).
@@ -324,94 +298,111 @@ def train(args):
     if args.algo == "flowrl":
         groups.append({"params": head.parameters(), "lr": args.logz_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    # More than one process (`accelerate launch`): DDP wrappers for the training forward, which average the
-    # gradients; sampling and evaluation use the plain modules. Each rank rolls out its own block of groups.
+    autocast = common.training_autocast(device)
+    # TRY NOT TO MODIFY: more than one process (`accelerate launch`) → DDP wrappers for the training forward;
+    # sampling and evaluation use the plain modules. Each rank rolls out its own block of groups.
     train_model = accelerator.prepare(model)
     train_head = accelerator.prepare(head) if args.algo == "flowrl" else head
     mine = common.local_groups(args.prompts_per_step, accelerator)
     out_dir = Path(args.out_dir or f"runs/flowrl{'-grpo' if args.algo == 'grpo' else ''}")
     logger = common.RunLogger(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
-                              f"{args.algo}", quiet=args.quiet,
-                              main_process=accelerator.is_main_process)
+                              f"{args.algo}", quiet=args.quiet, main_process=accelerator.is_main_process)
     gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate():
         if not accelerator.is_main_process:  # only rank 0 logs, so only it evaluates
             return {}
-        model.eval()
         metrics = (exact_metrics(model, ref_model, tokenizer, task, args.beta) if toy
                    else avg_at_k(model, tokenizer, task["eval"], args) if task["eval"] else {})
         model.train()
         return metrics
 
     first = evaluate()
-    first_ratio_dev, start = 0.0, 1
+    sampler_dev, start = 0.0, 1
     checkpoint = out_dir / "checkpoint.safetensors"
     state_objects = ({"model": model, "head": head}, {"optimizer": optimizer}, {"rollouts": gen})
     if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far: continues bit-exactly
         done, extra = common.load_training_state(checkpoint, *state_objects)
-        first, first_ratio_dev, start = extra["first"], extra["first_ratio_dev"], done + 1
+        first, sampler_dev, start = extra["first"], extra["sampler_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        # --- rollouts: B prompts × G samples, the G samples of a prompt contiguous; this rank's groups only
+        # ALGO LOGIC
+        # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         picked = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen)[mine.start:mine.stop]
         seeds = [common.sampling_seed(args.seed, step, g) for g in mine]
-        idx = picked.repeat_interleave(args.group_size)
-        model.eval()
-        with torch.no_grad():
-            seq, attn, comp_mask, plen = sample_groups(model, tokenizer, [task["prompts"][i] for i in picked],
-                                                       args.group_size, seeds, args.max_new_tokens, args.temperature,
-                                                       stop_at_eos=not toy)
-            texts = tokenizer.batch_decode(seq[:, plen:] * comp_mask, skip_special_tokens=True)
-            rewards = torch.tensor([task["reward"](i, t) for i, t in zip(idx.tolist(), texts)], dtype=torch.float32)
-            old_logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]  # (B·G, T)
-            ref_logp = common.reference_logprobs(model, ref_model, seq, attn)[:, plen - 1:] if args.algo == "flowrl" else None
-        model.train()
+        idx = picked.repeat_interleave(args.group_size).tolist()
+        prompts = [task["prompts"][i] for i in idx]
+        samples = sample_groups(model, tokenizer, [task["prompts"][i] for i in picked], args.group_size, seeds,
+                                args, stop_at_eos=not toy)
+        # 2. rewards r, and r̂ = the group-normalised reward (§2.2) or r itself (DEVIATION 1)
+        rewards = torch.tensor([task["reward"](i, text) for i, (text, _, _) in zip(idx, samples)])
         advantages = common.group_advantages(rewards, args.group_size).to(device)
         reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)
-        mask = comp_mask.float()
-
-        # --- updates on this batch
+        # 3. micro-batches bounded by --micro-batch-tokens; π_ref's log-probs once (FlowRL)
+        completions = [ids for _, ids, _ in samples]
+        batches = common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens)
+        token_count = max(1, sum(len(c) for c in completions))
+        packed = [common.pack_completions(tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows],
+                                          device) for rows in batches]
+        ref_logps = []
+        if args.algo == "flowrl":
+            with autocast:
+                ref_logps = [common.reference_logprobs(model, ref_model, ids, attn, mask.shape[1])
+                             for ids, attn, mask in packed]
+        # 4. inner_steps optimiser steps on this batch, gradients accumulated over the micro-batches
+        model.train()
         for inner in range(args.inner_steps):
-            logp, hidden = common.completion_logprobs(train_model, seq, attn, return_hidden=True)
-            logp = logp[:, plen - 1:]
-            if inner == 0:
-                first_ratio_dev = max(first_ratio_dev, (logp.detach() - old_logp).exp().sub(1).abs().max().item())
-            if args.algo == "flowrl":
-                log_z = train_head(hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen], attn[:, :plen].float())
-                weight = importance_weight(common.sequence_logprob(logp, mask), common.sequence_logprob(old_logp, mask),
-                                           args.clip_eps)
-                loss, residual = trajectory_balance_loss(
-                    log_z, common.sequence_logprob(logp, mask, length_normalize=True),
-                    common.sequence_logprob(ref_logp, mask, length_normalize=True), reward_hat, args.beta, weight)
-                stats = {"log_z": log_z.mean().item(), "residual_abs": residual.abs().mean().item(),
-                         "w_mean": weight.mean().item()}
-            else:
-                loss, stats = common.clipped_policy_loss(logp, old_logp, advantages, mask, args.clip_eps)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
             optimizer.zero_grad()
-            accelerator.backward(loss)
+            for k, (rows, (ids, attn, mask)) in enumerate(zip(batches, packed)):
+                old_logp = common.place_logprobs(mask, [samples[r][2] for r in rows])
+                with autocast:
+                    scored = common.completion_logprobs(train_model, ids, attn, mask.shape[1],
+                                                        return_hidden=args.algo == "flowrl")
+                logp, hidden = scored if args.algo == "flowrl" else (scored, None)
+                if inner == 0:  # not yet updated: training must score what the sampler drew
+                    sampler_dev = max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
+                if args.algo == "flowrl":
+                    plen = ids.shape[1] - mask.shape[1]
+                    prompt_hidden = hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen]
+                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # §2.3 log Z_φ(x)
+                    weight = importance_weight(common.sequence_logprob(logp, mask),
+                                               common.sequence_logprob(old_logp, mask), args.clip_eps)
+                    loss, residual = trajectory_balance_loss(
+                        log_z, common.sequence_logprob(logp, mask, length_normalize=True),
+                        common.sequence_logprob(ref_logps[k], mask, length_normalize=True), reward_hat[rows],
+                        args.beta, weight, num_rows=len(samples))
+                    stats = {"log_z": log_z.mean().item(), "residual_abs": residual.abs().mean().item(),
+                             "w_mean": weight.mean().item()}
+                else:
+                    loss, stats = grpo_loss(logp, old_logp, advantages[rows], mask, args.clip_eps, token_count)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
+                accelerator.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
 
+        # TRY NOT TO MODIFY: logging and checkpoints
         rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole step's rewards; loss stats are rank 0's
         record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), "loss": loss.item(),
                   "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-                  "first_ratio_dev": first_ratio_dev, **stats}
-        if step % args.eval_every == 0 or step == args.steps:
+                  "sampler_logprob_max_dev": sampler_dev, **stats}
+        if step % args.eval_every == 0 and step < args.steps:
             record |= {k: v for k, v in evaluate().items() if k != "dists"}
+        if step == args.steps:
+            final = evaluate()
+            record |= {k: v for k, v in final.items() if k != "dists"}
         logger.log(step, **record)
         if args.save_every and step % args.save_every == 0 and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects, extra={
-                "first": {k: v for k, v in first.items() if k != "dists"}, "first_ratio_dev": first_ratio_dev,
+                "first": {k: v for k, v in first.items() if k != "dists"}, "sampler_dev": sampler_dev,
                 "records": logger.records})
 
-    if first_ratio_dev > 1e-5:
-        print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training log-probs differ")
-    final = evaluate()
+    if sampler_dev > 1e-3:
+        print(f"WARNING: training log-probs differ from the sampler's by up to {sampler_dev:.2e}")
+    if start > args.steps:  # resumed a finished run
+        final = evaluate()
     summary = {k: v for k, v in final.items() if k != "dists"} | {
-        "algo": args.algo, "first_step_ratio_max_dev": first_ratio_dev,
+        "algo": args.algo, "sampler_logprob_max_dev": sampler_dev,
         "before": {k: v for k, v in first.items() if k != "dists"}}
     if toy and final:
         plot_valleys(final["dists"][0], out_dir / "valleys.png", args.algo)
@@ -422,7 +413,6 @@ def train(args):
         model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (§2.3)
         tokenizer.save_pretrained(out_dir / "policy")
     return logger.finish(summary, plots)
-
 
 def plot_valleys(dist, path, algo, top=16):
     """Bars of target p* vs learned π over the answers with the most target mass (seed 001's valleys)."""
@@ -444,7 +434,6 @@ def plot_valleys(dist, path, algo, top=16):
     fig.savefig(path)
     plt.close(fig)
 
-
 def plot_kl_comparison(runs_dir):
     """FlowRL vs GRPO exact KL(π‖p*) curves from runs/flowrl and runs/flowrl-grpo (written by `make demo`)."""
     curves = {}
@@ -454,7 +443,6 @@ def plot_kl_comparison(runs_dir):
             rows = [json.loads(line) for line in path.read_text().splitlines()]
             curves[name] = [(r["step"], r["kl_policy_to_target"]) for r in rows if "kl_policy_to_target" in r]
     common.plot_curves(curves, Path(runs_dir) / "flowrl_vs_grpo_kl.png", "exact KL(π‖p*) on the toy", "KL", logy=True)
-
 
 if __name__ == "__main__":
     result = train(common.parse_args(Args, PRESETS))

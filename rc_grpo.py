@@ -30,8 +30,12 @@ Deviations (numbered, on purpose):
     3. Each assistant step is trained as its own (history → step) sample (the same tokens a whole-dialogue
        pass with an assistant mask would score), so rollouts and training batches share one padding path.
        Failures for RCTP-FT are replayed from their parsed calls (unparseable steps are dropped).
-    4. With LoRA (full scale) the KL reference is the adapter-off model, i.e. the instruct model before
-       stage 1; on the toy it is a frozen copy of the stage-1 model, as the paper.
+    4. π_ref is the stage-1 model, as the paper: a frozen copy on the toy; with LoRA the stage-1 adapter is
+       merged into the weights and stage 2 trains a fresh adapter, so "adapter off" is the stage-1 model
+       (one arm per LoRA run).
+    5. BFCL's harness semantics: an output that decodes to no call (`[]`, plain text, a failed parse) ends
+       the user turn; more than `--max-steps` steps in one turn abandons the entry (BFCL: 20). Backend calls
+       get a time limit and their results a length cap (`BFCLEnv.execute`).
 
 Toy (default, CPU, four arms):   python rc_grpo.py
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
@@ -42,9 +46,14 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import itertools
 import json
+import os
 import random
 import re
+import select
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -73,12 +82,17 @@ class Args:
     rctp_epochs: int = dataclasses.field(default=5, metadata={"help": "RCTP-FT epochs (paper: 5)"})
     sft_batch: int = dataclasses.field(default=16, metadata={"help": "stage-1 batch (paper: 16)"})
     failure_rollouts: int = dataclasses.field(default=4, metadata={"help": "base-model rollouts per train task to find failures"})
-    max_steps: int = dataclasses.field(default=6, metadata={"help": "model steps per entry (BFCL: 20)"})
+    max_steps: int = dataclasses.field(default=6, metadata={"help": "model steps per user turn (BFCL: 20)"})
     max_new_tokens: int = dataclasses.field(default=10, metadata={"help": "tokens per model step"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "rollout temperature; evaluation is greedy"})
     max_tasks: int = dataclasses.field(default=0, metadata={"help": "use only the first N train and N test tasks (0 = all)"})
     toy_tasks: int = dataclasses.field(default=240, metadata={"help": "toy: generated tasks (80% train, 20% test)"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
+    micro_batch_tokens: int = dataclasses.field(default=4096, metadata={
+        "help": "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)"})
+    gen_batch: int = dataclasses.field(default=64, metadata={"help": "rollouts per `generate` call"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute activations in the backward pass (bfcl preset: on)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
     out_dir: str = dataclasses.field(default="runs/rc_grpo", metadata={"help": "output folder"})
     device: str = dataclasses.field(default="auto", metadata={
@@ -89,10 +103,13 @@ class Args:
         "help": "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)"})
 
 
-# Paper recipe (REFERENCES.md §3.2–§3.3): G = 5, p = 0.5, lr 1e-6, β 0.1, clip 0.2; RCTP-FT lr 1e-5, batch 16,
-# 5 epochs; SFT 2 epochs. Qwen2.5-7B-Instruct; LoRA so that one GPU holds policy and reference.
+# Paper recipe (§3.2–§3.3): G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
+# Qwen2.5-7B-Instruct. The paper's lr (1e-6 RL, 1e-5 stage 1) is for full fine-tuning; with LoRA (so that one GPU
+# holds policy and reference) both are ×10, the LoRA/full-FT learning-rate ratio measured in "LoRA Without
+# Regret" (Schulman et al., Thinking Machines 2025). BFCL prompts are ~5k tokens: three rows per micro-batch.
 PRESETS = {"bfcl": dict(model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
-                        lr=1e-6, sft_lr=1e-5, failure_rollouts=2, max_steps=20, max_new_tokens=256, lora_rank=64)}
+                        lr=1e-5, sft_lr=1e-4, failure_rollouts=2, max_steps=20, max_new_tokens=256, lora_rank=64,
+                        micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True)}
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
 REWARD_TOKENS = (HIGH, LOW)
@@ -138,7 +155,7 @@ def function_docs(entry):
         docs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     missed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
     hidden = {name for names in missed.values() for name in names}
-    shown = [d for d in docs if d["name"] not in hidden and d["name"] not in entry.get("excluded_function", [])]
+    shown = [d for d in docs if d["name"] not in hidden]  # `excluded_function` is ignored, as the official harness
     return shown, {t: [d for d in docs if d["name"] in names] for t, names in missed.items()}
 
 
@@ -147,7 +164,7 @@ def _literal(node):
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        raise ValueError(f"argument {ast.unparse(node)[:60]!r} is not a literal") from None
+        raise ValueError(f"an argument ({type(node).__name__}) is not a literal") from None
 
 
 def parse_calls(text):
@@ -155,7 +172,8 @@ def parse_calls(text):
 
     A bare single call `f(a=1)` is accepted too. Names must be plain identifiers without a leading
     underscore; attribute access, nested calls, names, comprehensions, lambdas, arithmetic and starred
-    arguments are rejected with ValueError (its message becomes the observation). Nothing is evaluated.
+    arguments are rejected. Any failure, however deep or long the text, is a ValueError (in BFCL's
+    protocol a failed decode ends the turn). Nothing is evaluated.
     """
     text = text.strip()
     if text.startswith("```"):
@@ -164,20 +182,22 @@ def parse_calls(text):
         raise ValueError(f"output longer than {MAX_CALL_CHARS} characters")
     try:
         tree = ast.parse(text, mode="eval").body
-    except (SyntaxError, ValueError, MemoryError, RecursionError) as err:
+        calls = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
+        return [_parse_call(call) for call in calls]
+    except (SyntaxError, MemoryError, RecursionError, TypeError) as err:
         raise ValueError(f"not a Python list of calls ({type(err).__name__})") from None
-    calls = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
-    parsed = []
-    for call in calls:
-        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
-            raise ValueError(f"{ast.unparse(call)[:60]!r} is not a call of a plain function name")
-        name = call.func.id
-        if name.startswith("_"):
-            raise ValueError(f"private or dunder function {name!r} is not allowed")
-        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
-            raise ValueError(f"*args/**kwargs in {name}() are not allowed")
-        parsed.append((name, tuple(_literal(a) for a in call.args), {k.arg: _literal(k.value) for k in call.keywords}))
-    return parsed
+
+
+def _parse_call(call):
+    """One `ast.Call` of a plain, public name with literal arguments → (name, args, kwargs)."""
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+        raise ValueError(f"a {type(call).__name__} is not a call of a plain function name")
+    name = call.func.id
+    if name.startswith("_"):
+        raise ValueError(f"private or dunder function {name!r} is not allowed")
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        raise ValueError(f"*args/**kwargs in {name}() are not allowed")
+    return name, tuple(_literal(a) for a in call.args), {k.arg: _literal(k.value) for k in call.keywords}
 
 
 def format_call(name, args, kwargs):
@@ -195,7 +215,7 @@ class BFCLEnv:
     def __init__(self, entry):
         from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING, STATELESS_CLASSES
 
-        self.instances, self.methods = {}, {}
+        self.instances, self.methods, self.stateless = {}, {}, set()
         hidden = {n for names in entry.get("missed_function", {}).values() for n in names}
         for cls in entry["involved_classes"]:
             instance = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[cls]), cls)()
@@ -206,6 +226,8 @@ class BFCLEnv:
             for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
                 if not name.startswith("_"):
                     self.methods[name] = method
+                    if cls in STATELESS_CLASSES:
+                        self.stateless.add(name)
         self.hidden = {n: self.methods.pop(n) for n in hidden if n in self.methods}
 
     def reveal(self, names):
@@ -215,17 +237,20 @@ class BFCLEnv:
                 self.methods[name] = self.hidden.pop(name)
 
     def execute(self, calls):
-        """Run parsed calls in order; each result (or error) as a string, as BFCL shows it to the model."""
+        """Run parsed calls in order; each result (or error) as a string, as BFCL shows it to the model.
+
+        A call gets CALL_SECONDS: stateless backends (MathAPI) run in a forked child that is killed at the
+        limit (`power(9, 999999999)` is all literals and C-level work no in-process timer can stop); stateful
+        ones run here under a SIGALRM timer. Results are cut at MAX_RESULT_CHARS. Over a limit → an error
+        observation; the rollout goes on."""
         results = []
         for name, args, kwargs in calls:
             if name not in self.methods:
                 results.append(f"Error during execution: function {name!r} is not available")
-                continue
-            try:
-                out = self.methods[name](*args, **kwargs)
-                results.append(out if isinstance(out, str) else json.dumps(out) if isinstance(out, dict) else str(out))
-            except Exception as err:  # a backend error is an observation for the model, never a crash
-                results.append(f"Error during execution: {err}")
+            elif name in self.stateless:
+                results.append(run_forked(self.methods[name], args, kwargs))
+            else:
+                results.append(run_timed(self.methods[name], args, kwargs))
         return results
 
     def state(self):
@@ -239,6 +264,65 @@ class BFCLEnv:
             return dict(inspect.signature(method).bind(*args, **kwargs).arguments)
         except (TypeError, ValueError, AttributeError):
             return {**{f"#{i}": a for i, a in enumerate(args)}, **kwargs}
+
+
+CALL_SECONDS = 2.0  # per backend call
+MAX_RESULT_CHARS = 4000  # per call result
+
+
+def format_result(out):
+    """A backend's return value as the model sees it (dicts as JSON), cut at MAX_RESULT_CHARS."""
+    text = out if isinstance(out, str) else json.dumps(out) if isinstance(out, dict) else str(out)
+    return text[:MAX_RESULT_CHARS]
+
+
+def run_timed(method, args, kwargs):
+    """Call a stateful backend method here, interrupted by SIGALRM after CALL_SECONDS (main thread only)."""
+    timed = threading.current_thread() is threading.main_thread()
+
+    def expire(*_):
+        raise TimeoutError(f"call took longer than {CALL_SECONDS:g} s")
+
+    if timed:
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, CALL_SECONDS)
+    try:
+        return format_result(method(*args, **kwargs))
+    except Exception as err:  # a backend error is an observation for the model, never a crash
+        return f"Error during execution: {format_result(str(err))}"
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def run_forked(method, args, kwargs):
+    """Call a stateless backend method in a forked child, killed after CALL_SECONDS; its text comes back
+    through a pipe (at most MAX_RESULT_CHARS)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, write, exit without running the parent's cleanup
+        os.close(read_end)
+        try:
+            text = format_result(method(*args, **kwargs))
+        except BaseException as err:
+            text = f"Error during execution: {format_result(str(err))}"
+        os.write(write_end, text.encode("utf-8", "replace")[:4 * MAX_RESULT_CHARS])
+        os._exit(0)
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + CALL_SECONDS
+    with os.fdopen(read_end, "rb") as pipe:
+        while (left := deadline - time.monotonic()) > 0 and select.select([pipe], [], [], left)[0]:
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"Error during execution: call took longer than {CALL_SECONDS:g} s"
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def replay(entry, calls_per_turn, on_turn=None):
@@ -294,10 +378,10 @@ def bfcl_check(entry, calls_per_turn):
 
     def on_model_turn(turn, env, results):
         model_results.append(list(results))
-        model_envs[turn] = env.state()
+        model_envs[turn] = copy.deepcopy(env.state())  # later turns mutate the live objects
 
     def on_truth_turn(turn, env, results):
-        truth_turns[turn] = (list(results), env.state())
+        truth_turns[turn] = (list(results), copy.deepcopy(env.state()))
 
     turns = len(entry["ground_truth"])
     replay(entry, (list(calls_per_turn) + [[]] * turns)[:turns], on_model_turn)
@@ -376,6 +460,19 @@ def sloppy_agent_steps(entry, rng):
     return steps
 
 
+@dataclasses.dataclass
+class World:
+    """The environment side of a run: the task split, the model, and how a dialogue is written as text.
+    chat=True: the tokenizer's chat template and BFCL's system prompt (full scale); False: the toy's words."""
+    train: list
+    test: list
+    tokenizer: object
+    model: object
+    chat: bool
+    end_text: str  # what an expert writes to end a turn
+    reveal_message: str = ""
+
+
 def build_toy(args, device):
     """Tiny Qwen2 "base model" pretrained on a careless agent's trajectories (real env observations)."""
     train, test = toy_entries(args.toy_tasks, args.seed)
@@ -383,16 +480,12 @@ def build_toy(args, device):
              "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name", *TOY_DIRS, *TOY_FILES,
              *[repr(w) for w in TOY_DIRS + TOY_FILES]]
     tokenizer = common.make_tokenizer(words, special_tokens=REWARD_TOKENS)
-    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed)
-
-    def render(messages):
-        return " ".join(f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages) + " asst"
-
-    world = {"train": train, "test": test, "tokenizer": tokenizer, "model": model, "render": render,
-             "system": [], "call_text": toy_call_text, "observation": toy_observation, "end_text": "done"}
+    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+    world = World(train, test, tokenizer, model, chat=False, end_text="done")
     rng = random.Random(args.seed)
     base_data = [trajectory_samples(world, e, None, sloppy_agent_steps(e, rng)) for e in train for _ in range(3)]
-    supervised_finetune(world, [s for traj in base_data for s in traj], epochs=8, lr=3e-3, batch=32, seed=args.seed)
+    supervised_finetune(world, [s for traj in base_data for s in traj], epochs=8, lr=3e-3, batch=32, seed=args.seed,
+                        token_budget=args.micro_batch_tokens)
     return world
 
 
@@ -400,29 +493,57 @@ def build_toy(args, device):
 
 
 def build_bfcl(args, device):
-    """An HF instruct model on the real BFCL v4 split. The reward tokens stay plain text (a few sub-word
-    tokens each): new embedding rows would not be trained by LoRA on the linear layers."""
+    """An HF instruct model (LoRA when --lora-rank) on the real BFCL v4 split. The reward tokens stay plain
+    text (a few sub-word tokens each): new embedding rows would not be trained by LoRA on the linear layers."""
     from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
 
-    tokenizer, model = common.load_causal_lm(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tokenizer, model = common.load_causal_lm(args.model, device, args.lora_rank,
+                                             gradient_checkpointing=args.gradient_checkpointing)
     train, test = split_entries(load_bfcl_entries())
+    return World(train, test, tokenizer, model.to(device), chat=True, end_text="Done.",
+                 reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
 
-    def system(entry, docs):
-        return [{"role": "system", "content": (
-            "You are an expert in composing functions. Based on the question, make one or more function calls to "
-            "achieve the purpose. If none of the functions can be used, or the question lacks required parameters, "
-            "point it out. To call functions, reply ONLY with a Python list in the format [func_name1(param=value, "
-            "...), func_name2(param=value)]. Keep calling functions until the user's request is fulfilled; when you "
-            "have no more calls to make, reply in plain text and the turn ends.\nHere is a list of functions in JSON "
-            f"format that you can invoke.\n{json.dumps(docs)}")}]
 
-    return {"train": train, "test": test, "tokenizer": tokenizer, "model": model, "system": system,
-            "render": lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-            "call_text": lambda call: "[" + call + "]", "observation": lambda text: text[:2000], "end_text": "Done.",
-            "reveal_message": DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC}
+def stratified(entries, n):
+    """The first n entries taken round-robin over the categories (the data files are sorted by category)."""
+    by_category = {}
+    for entry in entries:
+        by_category.setdefault(entry["category"], []).append(entry)
+    mixed = [e for group in itertools.zip_longest(*by_category.values()) for e in group if e is not None]
+    return mixed[:n]
 
 
 # ----------------------------------------------------------------------------- rollouts, one protocol for both
+
+
+def system_messages(world, entry):
+    """BFCL's prompting setup: the function docs in a system message (full scale); none on the toy."""
+    if not world.chat:
+        return []
+    return [{"role": "system", "content": (
+        "You are an expert in composing functions. Based on the question, make one or more function calls to "
+        "achieve the purpose. If none of the functions can be used, or the question lacks required parameters, "
+        "point it out. To call functions, reply ONLY with a Python list in the format [func_name1(param=value, "
+        "...), func_name2(param=value)]. Keep calling functions until the user's request is fulfilled; when you "
+        "have no more calls to make, reply in plain text and the turn ends.\nHere is a list of functions in JSON "
+        f"format that you can invoke.\n{json.dumps(function_docs(entry)[0])}")}]
+
+
+def render(world, messages):
+    """The dialogue as the model's prompt: the chat template, or the toy's `role content … asst`."""
+    if world.chat:
+        return world.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return " ".join(f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages) + " asst"
+
+
+def call_text(world, call):
+    """One ground-truth call as the model writes it."""
+    return "[" + call + "]" if world.chat else toy_call_text(call)
+
+
+def observation(world, text):
+    """Tool results as the model reads them."""
+    return text[:2000] if world.chat else toy_observation(text)
 
 
 def add_reward_token(content, token):
@@ -436,57 +557,59 @@ def user_messages(world, entry, turn, token, env):
     if turn in revealed:
         env.reveal(revealed[turn])
         _, later = function_docs(entry)
-        return [{"role": "user", "content": json.dumps(later[turn]) + "\n" + world.get("reveal_message", "")}]
+        return [{"role": "user", "content": json.dumps(later[turn]) + "\n" + world.reveal_message}]
     messages = [dict(m) for m in entry["question"][turn]]
     if turn == 0 and messages:
         messages[0]["content"] = add_reward_token(messages[0]["content"], token)
     return messages
 
 
-def looks_like_calls(text):
-    """BFCL ends a turn when the output decodes to no call; anything call-shaped is parsed (and may fail)."""
-    text = text.strip().strip("`").removeprefix("python").strip()
-    return text.startswith("[") or bool(re.match(r"^[A-Za-z_]\w*\s*\(", text))
+def decode_calls(text):
+    """BFCL's decode: the calls in an output, or [] when it has none, is `[]`, or does not parse. In BFCL's
+    protocol an empty or failed decode ends the user turn."""
+    stripped = text.strip().strip("`").removeprefix("python").strip()
+    if not (stripped.startswith("[") or re.match(r"^[A-Za-z_]\w*\s*\(", stripped)):
+        return []
+    try:
+        return parse_calls(text)
+    except ValueError:
+        return []
 
 
-def initial_messages(world, entry):
-    return world["system"](entry, function_docs(entry)[0]) if callable(world["system"]) else []
+def run_rollouts(world, entries, tokens, temperature, args):
+    """Play each entry under its reward token with BFCL's protocol: per user turn, generate → decode →
+    execute → append the results, until the output decodes to no call (the turn ends); more than
+    `args.max_steps` steps in one turn abandons the entry (BFCL: 20).
 
-
-def run_rollouts(world, entries, tokens, temperature, max_steps, max_new_tokens):
-    """Play each entry under its reward token with the BFCL protocol: per user turn, generate → parse →
-    execute → append results, until the model emits no call; at most `max_steps` model steps per entry.
-
-    All rollouts advance together (one batched `generate` per step). Returns, per rollout, its steps
-    (prompt, completion ids, sampling log-probs), `calls_per_turn`, and R = trajectory_reward.
+    All rollouts advance together (one batched `generate` per step, `args.gen_batch` rows at a time).
+    Returns, per rollout, its steps (prompt, completion ids, sampling log-probs), `calls_per_turn`, and
+    R = trajectory_reward.
     """
     runs = []
     for entry, token in zip(entries, tokens):
         env = BFCLEnv(entry)
-        runs.append({"entry": entry, "token": token, "env": env, "turn": 0, "steps": [], "done": False,
-                     "calls_per_turn": [[] for _ in entry["question"]],
-                     "messages": initial_messages(world, entry) + user_messages(world, entry, 0, token, env)})
+        runs.append({"entry": entry, "token": token, "env": env, "turn": 0, "turn_steps": 0, "steps": [],
+                     "done": False, "calls_per_turn": [[] for _ in entry["question"]],
+                     "messages": system_messages(world, entry) + user_messages(world, entry, 0, token, env)})
     while active := [r for r in runs if not r["done"]]:
-        outputs = common.sample_with_logprobs(world["model"], world["tokenizer"], [world["render"](r["messages"]) for r in active],
-                                              max_new_tokens, temperature)
-        for run, (text, ids, logp) in zip(active, outputs):
-            run["steps"].append({"prompt": world["render"](run["messages"]), "ids": ids, "old_logp": logp})
+        prompts = [render(world, r["messages"]) for r in active]
+        outputs = common.sample_completions(world.model, world.tokenizer, prompts, args.max_new_tokens, temperature,
+                                            batch_rows=args.gen_batch)
+        for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
+            run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})
-            if looks_like_calls(text):
-                try:
-                    calls = parse_calls(text)
-                    results = run["env"].execute(calls)
-                    run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
-                except ValueError as err:  # hostile or malformed output: the error is the observation
-                    results = [f"Error: {err}"]
-                run["messages"].append({"role": "tool", "content": world["observation"]("\n".join(results))})
+            calls = decode_calls(text)
+            if calls:
+                results = run["env"].execute(calls)
+                run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
+                run["messages"].append({"role": "tool", "content": observation(world, "\n".join(results))})
+                run["turn_steps"] += 1
+                run["done"] = run["turn_steps"] > args.max_steps  # BFCL's force-quit
+                continue
+            run["turn"], run["turn_steps"] = run["turn"] + 1, 0
+            if run["turn"] < len(run["entry"]["question"]):
+                run["messages"] += user_messages(world, run["entry"], run["turn"], run["token"], run["env"])
             else:
-                run["turn"] += 1
-                if run["turn"] < len(run["entry"]["question"]):
-                    run["messages"] += user_messages(world, run["entry"], run["turn"], run["token"], run["env"])
-                else:
-                    run["done"] = True
-            if len(run["steps"]) >= max_steps:
                 run["done"] = True
     for run in runs:
         run["reward"] = trajectory_reward(run["entry"], run["calls_per_turn"])
@@ -502,48 +625,61 @@ def trajectory_samples(world, entry, token, steps_per_turn):
     if steps_per_turn and isinstance(steps_per_turn[0], str):
         steps_per_turn = [steps_per_turn]
     env = BFCLEnv(entry)
-    messages = initial_messages(world, entry)
-    samples, tokenizer = [], world["tokenizer"]
+    messages = system_messages(world, entry)
+    samples, tokenizer = [], world.tokenizer
     for turn in range(len(entry["question"])):
         messages += user_messages(world, entry, turn, token, env)
-        for text in [world["call_text"](c) for c in (steps_per_turn[turn] if turn < len(steps_per_turn) else [])] + [world["end_text"]]:
+        calls = steps_per_turn[turn] if turn < len(steps_per_turn) else []
+        for text in [call_text(world, c) for c in calls] + [world.end_text]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            samples.append({"prompt": world["render"](messages), "ids": ids})
+            samples.append({"prompt": render(world, messages), "ids": ids})
             messages.append({"role": "assistant", "content": text})
-            if text != world["end_text"]:
-                messages.append({"role": "tool", "content": world["observation"]("\n".join(env.execute(parse_calls(text))))})
+            if text != world.end_text:
+                results = env.execute(parse_calls(text))
+                messages.append({"role": "tool", "content": observation(world, "\n".join(results))})
     return samples
 
 
-def supervised_finetune(world, samples, epochs, lr, batch, seed):
-    """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1 (§3.2)."""
-    model, tokenizer = world["model"], world["tokenizer"]
+def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget):
+    """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1 (§3.2).
+    Each batch of `batch` samples is one optimiser step, accumulated over token-bounded micro-batches."""
+    model, tokenizer = world.model, world.tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    autocast = common.training_autocast(model.device)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
         order = torch.randperm(len(samples), generator=gen).tolist()
         for start in range(0, len(order), batch):
             chunk = [samples[i] for i in order[start:start + batch]]
-            ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s in chunk], [s["ids"] for s in chunk],
-                                                      model.device)
-            loss = -common.masked_mean(common.completion_logprobs(model, ids, attn), mask)
+            prompts, completions = [s["prompt"] for s in chunk], [s["ids"] for s in chunk]
+            token_count = sum(len(c) for c in completions)
             optimizer.zero_grad()
-            loss.backward()
+            for rows in common.micro_batches(tokenizer, prompts, completions, token_budget):
+                ids, attn, mask = common.pack_completions(tokenizer, [prompts[r] for r in rows],
+                                                          [completions[r] for r in rows], model.device)
+                with autocast:
+                    logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
+                (-(logp * mask).sum() / token_count).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
 
 def build_rctp_data(world, entries, args):
     """Expert trajectories (ground truth, <|high_reward|>) and the base model's failures (R = 0,
-    <|low_reward|>), 1:1 (§3.2). Returns (samples, number of failures found)."""
-    rollouts = run_rollouts(world, [e for e in entries for _ in range(args.failure_rollouts)],
-                            [None] * len(entries) * args.failure_rollouts, 1.0, args.max_steps, args.max_new_tokens)
+    <|low_reward|>), 1:1 (§3.2). Failures are collected `args.gen_batch` rollouts at a time.
+    Returns (samples, number of failures found)."""
+    repeated = [e for e in entries for _ in range(args.failure_rollouts)]
+    rollouts = []
+    for lo in range(0, len(repeated), args.gen_batch):
+        chunk = repeated[lo:lo + args.gen_batch]
+        rollouts += [{"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
+                     for r in run_rollouts(world, chunk, [None] * len(chunk), 1.0, args)]
     failures = [r for r in rollouts if r["reward"] == 0]
     random.Random(args.seed).shuffle(failures)
     failures = failures[:len(entries)]
-    experts = entries[:len(failures)] if failures else entries
+    experts = stratified(entries, len(failures)) if failures else entries
     samples = [s for e in experts for s in trajectory_samples(world, e, HIGH, e["ground_truth"])]
     for run in failures:
         samples += trajectory_samples(world, run["entry"], LOW, run["calls_per_turn"])
@@ -559,71 +695,101 @@ def sample_reward_tokens(n, p, generator):
     return [HIGH if d else LOW for d in draws.tolist()]  # §3.3 r_j ~ Bernoulli(p), i.i.d.
 
 
+def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, token_count):
+    """L = Σ_t [−min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) + β·KL_t] / N_tokens, ρ_t = π_θ/π_old per token  (§3.3).
+
+    Every term is conditioned on the rollout's own reward token (it sits in the prompt, never scored).
+    KL_t is k3 to π_ref, the stage-1 model. N_tokens counts the step's completion tokens, so micro-batches
+    add up to the one-shot loss. Returns (loss, stats)."""
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -advantages[:, None] * ratio
+    pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
+    kl = common.kl_penalty(logp, ref_logp, "k3")
+    loss = ((pg_loss + beta * kl) * mask).sum() / token_count
+    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
+             "kl": common.masked_mean(kl, mask).item()}
+    return loss, stats
+
+
 def evaluate(world, entries, token, args):
     """Greedy rollouts under `token` scored with the official checker's semantics (bfcl_check)."""
-    runs = run_rollouts(world, entries, [token] * len(entries), 0.0, args.max_steps, args.max_new_tokens)
+    runs = run_rollouts(world, entries, [token] * len(entries), 0.0, args)
     return sum(bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs) / len(runs)
 
 
-def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
+def grpo_arm(args, world, train_model, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed (GRPO),
     one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3).
+    π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1 weights with the new adapter off.
     With N processes each rank rolls out its block of tasks with its own noise (DDP averages gradients)."""
-    model, tokenizer = world["model"], world["tokenizer"]
+    model, tokenizer = world.model, world.tokenizer
     reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    autocast = common.training_autocast(model.device)
     gen = torch.Generator().manual_seed(args.seed)
     mine = common.local_groups(args.tasks_per_step, accelerator)
-    first_ratio_dev, zero_var, start = 0.0, [], 1
+    sampler_dev, zero_var, start = 0.0, [], 1
     state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
-    if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
+    if args.resume and checkpoint.exists():  # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
         done, extra = common.load_training_state(checkpoint, *state_objects)
-        first_ratio_dev, zero_var, start = extra["first_ratio_dev"], extra["zero_var"], done + 1
+        sampler_dev, zero_var, start = extra["sampler_dev"], extra["zero_var"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        pick = torch.randint(len(world["train"]), (args.tasks_per_step,), generator=gen)
+        # ALGO LOGIC
+        # 1. draw tasks and, per rollout, a reward token r_j ~ Bernoulli(p) (RC-GRPO) or a fixed one (GRPO)
+        pick = torch.randint(len(world.train), (args.tasks_per_step,), generator=gen)
         tokens = (sample_reward_tokens(len(pick) * args.group_size, args.p_high, gen) if reward_conditioned
                   else [HIGH if use_tokens else None] * len(pick) * args.group_size)
         local = slice(mine.start * args.group_size, mine.stop * args.group_size)  # this rank's groups
-        entries, tokens = [world["train"][i] for i in pick.repeat_interleave(args.group_size).tolist()][local], tokens[local]
+        entries = [world.train[i] for i in pick.repeat_interleave(args.group_size).tolist()][local]
+        tokens = tokens[local]
         if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
             torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
-        runs = run_rollouts(world, entries, tokens, args.temperature, args.max_steps, args.max_new_tokens)
+        # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action (§3.4)
+        runs = run_rollouts(world, entries, tokens, args.temperature, args)
         rewards = torch.tensor([r["reward"] for r in runs])
-        advantages = common.group_advantages(rewards, args.group_size)  # §3.3 one group per task, across tokens
-        rows = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
-        ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows],
-                                                  model.device)
-        old_logp = common.place_logprobs(mask, [s["old_logp"] for s, _ in rows])
-        ref_logp = common.reference_logprobs(model, reference, ids, attn, args.temperature)
+        # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(std_g R + ε)  (§3.3)
+        advantages = common.group_advantages(rewards, args.group_size).tolist()
+        rows = [(s, a) for r, a in zip(runs, advantages) for s in r["steps"]]  # each model step, its A
+        prompts, completions = [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows]
+        token_count = max(1, sum(len(c) for c in completions))
+        # 4. one optimiser step, gradients accumulated over token-bounded micro-batches
         model.train()
-        logp = common.completion_logprobs(world["train_model"], ids, attn, temperature=args.temperature)
-        first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
-        loss, stats = common.clipped_policy_loss(logp, old_logp, torch.tensor([a for _, a in rows], device=model.device),
-                                                 mask, args.clip_eps)
-        kl = common.masked_mean(common.kl_penalty(logp, ref_logp), mask)
-        loss = loss + args.beta * kl
-        if not torch.isfinite(loss):
-            raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
         optimizer.zero_grad()
-        accelerator.backward(loss)
+        for batch in common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens):
+            ids, attn, mask = common.pack_completions(tokenizer, [prompts[k] for k in batch],
+                                                      [completions[k] for k in batch], model.device)
+            old_logp = common.place_logprobs(mask, [rows[k][0]["old_logp"] for k in batch])
+            batch_adv = torch.tensor([rows[k][1] for k in batch], device=model.device)
+            with autocast:
+                ref_logp = common.reference_logprobs(model, reference, ids, attn, mask.shape[1], args.temperature)
+                logp = common.completion_logprobs(train_model, ids, attn, mask.shape[1], args.temperature)
+            sampler_dev = max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item()) \
+                if step == start else sampler_dev
+            loss, stats = rc_grpo_loss(logp, old_logp, ref_logp, batch_adv, mask, args.clip_eps, args.beta,
+                                       token_count)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
+            accelerator.backward(loss)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
-        # the whole step's tokens and rewards for the log (loss stats stay rank 0's)
+        # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats stay rank 0's)
         runs = gather_object([{"token": r["token"], "reward": r["reward"]} for r in runs])
         rewards = torch.tensor([r["reward"] for r in runs])
         zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
         by_token = {t: [r["reward"] for r in runs if r["token"] == t] for t in REWARD_TOKENS}
-        logger.log(step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(), kl=kl.item(),
-                   entropy=-common.masked_mean(old_logp, mask).item(),  # −mean log π of sampled tokens
+        logger.log(step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(),
+                   entropy=-sum(s["old_logp"].sum().item() for s, _ in rows) / token_count,  # −mean log π
                    success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
-                   success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])), first_ratio_dev=first_ratio_dev, **stats)
+                   success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])), sampler_logprob_max_dev=sampler_dev,
+                   **stats)
         if args.save_every and (step % args.save_every == 0 or step == args.steps) and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects, extra={
-                "first_ratio_dev": first_ratio_dev, "zero_var": zero_var, "records": logger.records})
-    return {"zero_variance_fraction": sum(zero_var) / len(zero_var), "first_step_ratio_max_dev": first_ratio_dev}
+                "sampler_dev": sampler_dev, "zero_var": zero_var, "records": logger.records})
+    return {"zero_variance_fraction": sum(zero_var) / len(zero_var), "sampler_logprob_max_dev": sampler_dev}
 
 
 def validate(args):
@@ -636,6 +802,9 @@ def validate(args):
         (args.lr > 0 and args.sft_lr > 0 and args.clip_eps > 0 and args.beta >= 0, "--lr, --sft-lr, --clip-eps must be > 0"),
         (args.temperature > 0, "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
         (args.steps >= 1 and args.max_steps >= 1 and args.failure_rollouts >= 1, "--steps, --max-steps, --failure-rollouts ≥ 1"),
+        (args.micro_batch_tokens >= 1 and args.gen_batch >= 1, "--micro-batch-tokens and --gen-batch must be ≥ 1"),
+        (not args.lora_rank or len(arms) == 1,
+         "--lora-rank trains one arm per run (stage 1 is merged into the weights before stage 2)"),
     ])
     return arms
 
@@ -647,53 +816,59 @@ def train(args):
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
     world = build_bfcl(args, device) if args.model else build_toy(args, device)
-    model = world["model"].to(device)
     if args.max_tasks:
-        world["train"], world["test"] = world["train"][:args.max_tasks], world["test"][:args.max_tasks]
+        world.train, world.test = stratified(world.train, args.max_tasks), stratified(world.test, args.max_tasks)
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
-    if args.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        model = world["model"] = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its groups.
-    world["train_model"] = accelerator.prepare(model)  # DDP wrapper (N processes) for the GRPO loss
-    states = {"base": copy.deepcopy(model.state_dict())}
-    summary = {"base_accuracy": evaluate(world, world["test"], None, args)}
+    states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
+    summary = {"base_accuracy": evaluate(world, world.test, None, args)}
     needed = {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
-        expert = [s for e in world["train"] for s in trajectory_samples(world, e, None, e["ground_truth"])]
-        supervised_finetune(world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed)
-        states["sft"] = copy.deepcopy(model.state_dict())
-        summary["sft_accuracy"] = evaluate(world, world["test"], None, args)
+        expert = [s for e in world.train for s in trajectory_samples(world, e, None, e["ground_truth"])]
+        supervised_finetune(world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
+                            args.micro_batch_tokens)
+        states["sft"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
+        summary["sft_accuracy"] = evaluate(world, world.test, None, args)
     if "rctp" in needed:
-        model.load_state_dict(states["base"])
-        samples, n_failures = build_rctp_data(world, world["train"], args)
-        supervised_finetune(world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed)
-        states["rctp"] = copy.deepcopy(model.state_dict())
-        high, low = evaluate(world, world["test"], HIGH, args), evaluate(world, world["test"], LOW, args)
+        if "base" in states:
+            world.model.load_state_dict(states["base"])
+        samples, n_failures = build_rctp_data(world, world.train, args)
+        supervised_finetune(world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed,
+                            args.micro_batch_tokens)
+        states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
+        high, low = evaluate(world, world.test, HIGH, args), evaluate(world, world.test, LOW, args)
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
+    if args.lora_rank:  # stage 1's adapter becomes the weights; stage 2 trains a fresh one, π_ref = adapter off
+        from peft import get_peft_model
+
+        lora_config = world.model.peft_config["default"]
+        world.model = get_peft_model(world.model.merge_and_unload(), lora_config)
+        common.check_master_weights(world.model)
+    train_model = accelerator.prepare(world.model)  # DDP wrapper (N processes) for the GRPO loss
     curves = {}
     for arm in arms:
         init, algo = arm.split("+")
-        model.load_state_dict(states[init])
+        if states.get(init) is not None:
+            world.model.load_state_dict(states[init])
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
         logger = common.RunLogger(out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet,
                                   main_process=accelerator.is_main_process)
-        result = grpo_arm(args, world, arm, use_tokens, algo == "rc-grpo", logger, out_dir / arm / "checkpoint.safetensors",
-                          accelerator)
-        result["accuracy"] = evaluate(world, world["test"], HIGH if use_tokens else None, args)
+        result = grpo_arm(args, world, train_model, arm, use_tokens, algo == "rc-grpo", logger,
+                          out_dir / arm / "checkpoint.safetensors", accelerator)
+        result["accuracy"] = evaluate(world, world.test, HIGH if use_tokens else None, args)
         if use_tokens:  # what the same weights do when asked for a low reward (not used for the result)
-            result["accuracy_under_low_token"] = evaluate(world, world["test"], LOW, args)
+            result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)
         summary[arm] = logger.finish(result, [("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
                                               ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")])
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
         if args.model and accelerator.is_main_process:
-            model.save_pretrained(out_dir / arm / "policy")
-            world["tokenizer"].save_pretrained(out_dir / arm / "policy")
-    summary |= {"test_tasks": len(world["test"]), "wall_seconds": round(time.time() - start, 2)}
+            world.model.save_pretrained(out_dir / arm / "policy")
+            world.tokenizer.save_pretrained(out_dir / arm / "policy")
+    summary |= {"test_tasks": len(world.test), "wall_seconds": round(time.time() - start, 2),
+                "sampler_logprob_max_dev": max(summary[a]["sampler_logprob_max_dev"] for a in arms),
+                "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms)}
     if accelerator.is_main_process:
         common.plot_curves(curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step", "fraction")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

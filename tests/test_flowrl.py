@@ -81,7 +81,7 @@ def _kl(p, q):
 def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
     a = flowrl.train(toy_args(tmp_path / "a", "--algo", algo, "--steps", "3", "--eval-every", "3"))
     b = flowrl.train(toy_args(tmp_path / "b", "--algo", algo, "--steps", "3", "--eval-every", "3"))
-    assert a["first_step_ratio_max_dev"] < 1e-5 and b["kl_policy_to_target"] == a["kl_policy_to_target"]
+    assert a["sampler_logprob_max_dev"] < 1e-3 and b["kl_policy_to_target"] == a["kl_policy_to_target"]
     strip = lambda p: [{k: v for k, v in json.loads(l).items() if k != "sec"} for l in open(p)]
     assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
     for name in ["summary.json", "kl.png", "valleys.png", "config.json"]:
@@ -117,7 +117,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
         "--max-new-tokens", "6", "--eval-k", "2", "--quiet", "--out-dir", str(tmp_path / "run"), "--device", "cpu"])
     assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6  # paper defaults (§2.2–§2.4)
     summary = flowrl.train(args)
-    assert "avg_at_k" in summary and summary["first_step_ratio_max_dev"] < 1e-5
+    assert "avg_at_k" in summary and summary["sampler_logprob_max_dev"] < 1e-3
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")  # loads without the log Z head
     assert not any("net." in k for k in policy.state_dict())
 

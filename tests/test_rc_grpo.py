@@ -1,6 +1,8 @@
 """rc_grpo.py: the BFCL environment and rewards on the real 800 entries, hostile model output, reward
 tokens, the variance bound, the toy end to end and the full-scale path with a tiny random Qwen2."""
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,17 +92,74 @@ def test_hostile_output_is_rejected_without_side_effects(tmp_path):
     assert not marker.exists()
 
 
-def test_hostile_output_in_a_rollout_becomes_an_observation_and_the_rollout_continues(tmp_path, monkeypatch):
+DEEP = ["[" + "1+" * 800 + "1]", "f(a=" + "1+" * 1500 + "1)", "[" + "(" * 3000 + ")" * 3000 + "]",
+        "[f(" + "[" * 2000 + "]" * 2000 + ")]", "[" + "-" * 5000 + "1]", "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]"]
+
+
+@pytest.mark.parametrize("text", DEEP)
+def test_deep_or_long_output_is_a_parse_failure_never_another_exception(text):
+    with pytest.raises(ValueError):
+        rc_grpo.parse_calls(text)
+    assert rc_grpo.decode_calls(text) == []  # in a rollout: the turn ends
+
+
+def scripted_world(monkeypatch, outputs):
+    """A World whose `generate` is replaced by a script of outputs (the model is never called)."""
+    script = iter(outputs)
+    monkeypatch.setattr(common, "sample_completions",
+                        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
+    return rc_grpo.World([], [], None, None, chat=False, end_text="done")
+
+
+ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10)
+
+
+def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
-    script = iter([f"[__import__('os').system('touch {marker}')]", "[cd(folder='docs')]", "[rm(file_name='a.txt')]", "done"])
     entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
-    world = {"render": lambda messages: "", "system": [], "observation": lambda text: text}
-    monkeypatch.setattr(common, "sample_with_logprobs",
-                        lambda model, tok, prompts, n, t: [(next(script), [], torch.zeros(0)) for _ in prompts])
-    (run,) = rc_grpo.run_rollouts(world | {"model": None, "tokenizer": None}, [entry], [None], 1.0, 10, 8)
-    assert run["messages"][2]["role"] == "tool" and run["messages"][2]["content"].startswith("Error: ")
-    assert run["reward"] == 1.0 and len(run["steps"]) == 4
+    hostile = [f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
+    for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
+        (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS)
+        assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
+    world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
+    (run,) = rc_grpo.run_rollouts(world, [entry], [None], 1.0, ROLLOUT_ARGS)
+    assert run["reward"] == 1.0 and len(run["steps"]) == 3  # `[]` ended the turn
+
+
+def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(monkeypatch):
+    entry = toy_entry(["a.txt"]) | {"question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
+                                    "ground_truth": [["ls()"], ["pwd()"]]}
+    (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0,
+                                  ROLLOUT_ARGS)
+    assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
+    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3)
+    (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
+    assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []  # 4 > 3 steps in turn 0: abandoned
+
+
+def test_work_done_on_the_wrong_turn_scores_zero(entries):
+    entry = next(e for e in entries if e["id"] == "multi_turn_base_1")
+    truth = entry["ground_truth"]
+    early = [truth[0] + truth[1], [], truth[2], truth[3]]  # turn 2's cd + mv done during turn 1
+    assert rc_grpo.bfcl_check(entry, truth) == 1.0
+    assert rc_grpo.bfcl_check(entry, early) == 0.0
+
+
+def test_backend_calls_have_a_time_limit_and_a_result_cap():
+    entry = toy_entry(["a.txt"]) | {"involved_classes": ["GorillaFileSystem", "MathAPI"]}
+    env = rc_grpo.BFCLEnv(entry)
+    start = time.time()
+    (result,) = env.execute(rc_grpo.parse_calls("[power(base=9, exponent=999999999)]"))
+    assert "longer than" in result and time.time() - start < rc_grpo.CALL_SECONDS + 2
+    assert env.execute(rc_grpo.parse_calls("[add(a=2, b=3)]")) == ['{"result": 5}']
+    (echoed,) = env.execute(rc_grpo.parse_calls(f"[echo(content={'x' * 9000!r})]"))
+    assert len(echoed) <= rc_grpo.MAX_RESULT_CHARS
+
+
+def test_task_subsets_are_stratified_over_the_categories(entries):
+    picked = rc_grpo.stratified(entries, 8)
+    assert sorted(e["category"] for e in picked) == sorted(rc_grpo.CATEGORIES * 2)
 
 
 def test_two_rollouts_of_one_task_do_not_share_state():
@@ -127,13 +186,12 @@ def test_miss_func_functions_are_callable_only_after_their_turn(entries):
 def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
     train, _ = rc_grpo.toy_entries(10, 0)
     tokenizer = common.make_tokenizer(["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS)
-    world = {"tokenizer": tokenizer, "system": [], "render": lambda ms: " ".join(m["content"] for m in ms),
-             "call_text": rc_grpo.toy_call_text, "observation": rc_grpo.toy_observation, "end_text": "done"}
+    world = rc_grpo.World([], [], tokenizer, None, chat=False, end_text="done")
     samples = rc_grpo.trajectory_samples(world, train[0], rc_grpo.HIGH, train[0]["ground_truth"])
-    assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>]")
+    assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")
     token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
     ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu")
-    scored = ids[:, 1:][mask.bool()]
+    scored = ids[:, -mask.shape[1]:][mask.bool()]
     assert token_ids & set(ids.flatten().tolist()) and not token_ids & set(scored.tolist())
 
 
@@ -161,7 +219,7 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
             "--quiet", "--toy-tasks", "20", "--steps", "2", "--tasks-per-step", "2", "--arms", "rctp+rc-grpo",
             "--failure-rollouts", "1", "--out-dir", str(tmp_path / name)])
         summary = rc_grpo.train(args)
-        assert summary["rctp+rc-grpo"]["first_step_ratio_max_dev"] < 1e-5
+        assert summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
         runs.append([{k: v for k, v in json.loads(line).items() if k != "sec"}
                      for line in (tmp_path / name / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()])
     assert runs[0] == runs[1]
@@ -185,11 +243,11 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     tokenizer.save_pretrained(tmp_path / "tiny")
     args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
         "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps", "1", "--tasks-per-step", "1",
-        "--group-size", "2", "--failure-rollouts", "1", "--max-steps", "2", "--max-new-tokens", "4", "--lora-rank", "4",
+        "--group-size", "2", "--failure-rollouts", "1", "--max-steps", "2", "--no-gradient-checkpointing", "--max-new-tokens", "4", "--lora-rank", "4",
         "--rctp-epochs", "1", "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
-    assert args.beta == 0.1 and args.lr == 1e-6 and args.p_high == 0.5  # paper defaults (§3.3)
+    assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2  # paper defaults, flags win
     summary = rc_grpo.train(args)
-    assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["first_step_ratio_max_dev"] < 1e-5
+    assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
     assert (tmp_path / "run" / "rctp+rc-grpo" / "policy" / "adapter_config.json").exists()
 
 
