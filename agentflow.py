@@ -33,11 +33,15 @@ N GPUs (DDP, README):               accelerate launch --num_processes N agentflo
 import copy
 import dataclasses
 import json
+import os
 import random
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +79,11 @@ class Args:
     warm_start_demos: int = dataclasses.field(default=24, metadata={"help": "toy: demonstrations in the planner's warm start"})
     warm_start_steps: int = dataclasses.field(default=40, metadata={"help": "toy: supervised steps of the warm start"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank (full scale: needed, frozen modules = adapter off)"})
+    micro_batch_tokens: int = dataclasses.field(default=4096, metadata={
+        "help": "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)"})
+    gen_batch: int = dataclasses.field(default=256, metadata={"help": "planner prompts per `generate` call"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute activations in the backward pass (full preset: on)"})
     tool_timeout: float = dataclasses.field(default=10.0, metadata={"help": "Python tool timeout in seconds"})
     eval_every: int = dataclasses.field(default=20, metadata={"help": "steps between held-out evaluations"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
@@ -88,9 +97,11 @@ class Args:
 
 # Paper setup (REFERENCES.md §4.3): G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
 # temperature 0.7 in training and greedy at evaluation, 3 training turns. Qwen2.5-7B-Instruct with LoRA.
+# The paper's lr 1e-6 is for full fine-tuning; with LoRA it is ×10, the LoRA/full-FT learning-rate ratio measured
+# in "LoRA Without Regret" (Schulman et al., Thinking Machines 2025).
 PRESETS = {"full": dict(model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
-                        inner_steps=1, max_new_tokens=256, temperature=0.7, lr=1e-6, lora_rank=64, ablation=False,
-                        eval_every=25)}
+                        inner_steps=1, max_new_tokens=256, temperature=0.7, lr=1e-5, lora_rank=64, ablation=False,
+                        eval_every=25, micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)}
 
 # ----------------------------------------------------------------------------- memory and the loop (§4.1)
 
@@ -105,11 +116,12 @@ class Memory:
                              "result": result, "ok": ok})
 
 
-def run_agent(queries, world, plan, max_turns):
-    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate.
+def run_agent(queries, system, plan, max_turns):
+    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate (§4.1).
 
-    All rollouts advance together (one batched planner call per turn). `plan(prompts)` returns, per prompt,
-    (text, completion_ids, old_logp); each trajectory keeps its planner turns for training.
+    `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
+    planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler log-probs);
+    each trajectory keeps its planner turns for training.
     """
     memories = [Memory() for _ in queries]
     trajectories = [{"query": q, "turns": [], "verdicts": []} for q in queries]
@@ -117,26 +129,26 @@ def run_agent(queries, world, plan, max_turns):
     for _ in range(max_turns):
         if not active:
             break
-        prompts = [world["planner_prompt"](queries[i], memories[i]) for i in active]
+        prompts = [system.planner_prompt(queries[i], memories[i]) for i in active]
         outputs = plan(prompts)
         calls = []
         for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             trajectories[i]["turns"].append({"prompt": prompt, "ids": ids, "old_logp": logp, "text": text})
             try:
-                tool, subgoal = world["parse_plan"](text)
+                tool, subgoal = system.parse_plan(text)
                 calls.append((i, tool, subgoal))
             except ValueError as err:  # a malformed plan is an observation, never a crash
                 memories[i].add("none", text.strip(), "", f"error: {err}", ok=False)
-        executed = world["execute"]([(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls]) if calls else []
+        executed = system.execute([(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls]) if calls else []
         for (i, tool, subgoal), (command, result, ok) in zip(calls, executed):
             memories[i].add(tool, subgoal, command, result, ok)
-        stops = world["verify"]([(queries[i], memories[i]) for i in active])
+        stops = system.verify([(queries[i], memories[i]) for i in active])
         for i, stop in zip(active, stops):
             trajectories[i]["verdicts"].append("STOP" if stop else "CONTINUE")
         active = [i for i, stop in zip(active, stops) if not stop]
-    answers = world["generate"]([(q, m) for q, m in zip(queries, memories)])
+    answers = system.generate([(q, m) for q, m in zip(queries, memories)])
     for trajectory, memory, answer in zip(trajectories, memories, answers):
-        trajectory |= {"memory": memory, "answer": answer, "reward": float(world["judge"](trajectory["query"], answer))}
+        trajectory |= {"memory": memory, "answer": answer, "reward": float(system.judge(trajectory["query"], answer))}
     return trajectories
 
 
@@ -186,83 +198,96 @@ def toy_demonstration(query):
     return [f"lookup A {a}", f"lookup B {b}", f"calc {op}"]
 
 
-def build_toy(args, device):
-    """Tiny Qwen2 planner with a short supervised warm start; executor/verifier/generator are rules.
+@dataclasses.dataclass
+class ToySystem:
+    """The toy's agentic system: a tiny Qwen2 planner; executor, verifier and generator are rules.
 
     Rules (DEVIATION 2): the executor maps "lookup A population" to lookup(first entity, population) and
     "calc plus" to the last two looked-up values; the verifier says STOP after a successful calc; the
     generator answers the last calc result, else the last looked-up value. A one-lookup question stops after
     its lookup, so rollouts have different lengths (1 to max_turns planner turns).
     """
-    train, test, kb = toy_queries(args.seed)
-    words = ["q", "k", "m", "p", "of", "ok", "error", "A", "B", *ATTRIBUTES, *OPERATIONS, *TOY_TOOLS,
-             *[f"c{k:02d}" for k in range(40)]]
-    tokenizer = common.make_tokenizer(words)
-    planner = common.tiny_causal_lm(len(tokenizer), seed=args.seed)
+    train: list
+    test: list
+    kb: dict
+    tokenizer: object
+    planner: object
 
-    def planner_prompt(query, memory):  # (q, K, M^t) as tokens; results are summarised as ok/error
+    def planner_prompt(self, query, memory):
+        """(q, K, M^t) as tokens; results are summarised as ok/error."""
         steps = " ".join(f"m {e['tool']} {e['subgoal']} {'ok' if e['ok'] else 'error'}" for e in memory.entries)
         return f"q {query['question']} k {' '.join(TOY_TOOLS)} {steps} p".replace("  ", " ")
 
-    def parse_plan(text):
+    def parse_plan(self, text):
         words = text.split()
         if not words or words[0] not in TOY_TOOLS:
             raise ValueError(f"no known tool in {text!r}")
         return words[0], " ".join(words[1:])
 
-    def execute(calls):
+    def execute(self, calls):
         results = []
         for query, tool, subgoal, memory in calls:
-            args_ = subgoal.split()
-            if tool == "lookup" and len(args_) == 2 and args_[0] in "AB"[:len(query["entities"])] and args_[1] in ATTRIBUTES:
-                entity = query["entities"]["AB".index(args_[0])]
-                results.append((f"lookup({entity}, {args_[1]})", kb[entity][args_[1]], True))
-            elif tool == "calc" and len(args_) == 1 and args_[0] in OPERATIONS:
+            words = subgoal.split()
+            if tool == "lookup" and len(words) == 2 and words[0] in "AB"[:len(query["entities"])] \
+                    and words[1] in ATTRIBUTES:
+                entity = query["entities"]["AB".index(words[0])]
+                results.append((f"lookup({entity}, {words[1]})", self.kb[entity][words[1]], True))
+            elif tool == "calc" and len(words) == 1 and words[0] in OPERATIONS:
                 values = [e["result"] for e in memory.entries if e["tool"] == "lookup" and e["ok"]][-2:]
                 if len(values) < 2:
-                    results.append((f"calc({args_[0]})", "error: calc needs two looked-up values", False))
+                    results.append((f"calc({words[0]})", "error: calc needs two looked-up values", False))
                 else:
-                    results.append((f"{values[0]} {args_[0]} {values[1]}", OPERATIONS[args_[0]](*values), True))
+                    results.append((f"{values[0]} {words[0]} {values[1]}", OPERATIONS[words[0]](*values), True))
             else:
                 results.append((f"{tool}({subgoal})", f"error: bad arguments {subgoal!r} for {tool}", False))
         return results
 
-    def verify(items):  # STOP once the step the question needs last (calc, or its one lookup) succeeded
-        return [bool(m.entries) and m.entries[-1]["ok"] and m.entries[-1]["tool"] == ("lookup" if len(q["shape"]) == 1 else "calc")
-                for q, m in items]
+    def verify(self, items):
+        """STOP once the step the question needs last (calc, or its one lookup) succeeded."""
+        return [bool(m.entries) and m.entries[-1]["ok"]
+                and m.entries[-1]["tool"] == ("lookup" if len(q["shape"]) == 1 else "calc") for q, m in items]
 
-    def generate(items):
+    def generate(self, items):
         answers = []
-        for _, m in items:
-            done = [e["result"] for e in m.entries if e["ok"]]
+        for _, memory in items:
+            done = [e["result"] for e in memory.entries if e["ok"]]
             answers.append(done[-1] if done else None)
         return answers
 
-    world = {"train": train, "test": test, "tokenizer": tokenizer, "planner": planner, "planner_prompt": planner_prompt,
-             "parse_plan": parse_plan, "execute": execute, "verify": verify, "generate": generate,
-             "judge": lambda query, answer: answer == query["answer"]}
-    warm_start(world, train[:args.warm_start_demos], args.seed, args.warm_start_steps)
-    return world
+    def judge(self, query, answer):
+        return answer == query["answer"]
 
 
-def warm_start(world, demos, seed, steps):
+def build_toy(args, device):
+    """Tiny Qwen2 planner with a short supervised warm start on golden plans."""
+    train, test, kb = toy_queries(args.seed)
+    words = ["q", "k", "m", "p", "of", "ok", "error", "A", "B", *ATTRIBUTES, *OPERATIONS, *TOY_TOOLS,
+             *[f"c{k:02d}" for k in range(40)]]
+    tokenizer = common.make_tokenizer(words)
+    planner = common.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+    system = ToySystem(train, test, kb, tokenizer, planner)
+    warm_start(system, train[:args.warm_start_demos], args.seed, args.warm_start_steps)
+    return system
+
+
+def warm_start(system, demos, seed, steps):
     """Supervised warm start on golden plans: the planner starts competent but imperfect."""
-    tokenizer, planner = world["tokenizer"], world["planner"]
+    tokenizer, planner = system.tokenizer, system.planner
     pairs = []
     for query in demos:
         memory = Memory()
         for text in toy_demonstration(query):
-            pairs.append((world["planner_prompt"](query, memory), text + " <eos>"))
-            tool, subgoal = world["parse_plan"](text)
-            command, result, ok = world["execute"]([(query, tool, subgoal, memory)])[0]
+            pairs.append((system.planner_prompt(query, memory), text + " <eos>"))
+            tool, subgoal = system.parse_plan(text)
+            command, result, ok = system.execute([(query, tool, subgoal, memory)])[0]
             memory.add(tool, subgoal, command, result, ok)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(planner.parameters(), lr=3e-3)
     for _ in range(steps):
         batch = [pairs[k] for k in torch.randint(len(pairs), (32,), generator=gen).tolist()]
-        ids, attn, mask = common.pack_completions(tokenizer, [p for p, _ in batch], [tokenizer(c, add_special_tokens=False)["input_ids"]
-                                                                    for _, c in batch], planner.device)
-        logp = common.completion_logprobs(planner, ids, attn)
+        completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
+        ids, attn, mask = common.pack_completions(tokenizer, [p for p, _ in batch], completions, planner.device)
+        logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
         loss = -common.masked_mean(logp, mask)
         optimizer.zero_grad()
         loss.backward()
@@ -271,56 +296,110 @@ def warm_start(world, demos, seed, steps):
 
 # ----------------------------------------------------------------------------- full scale: tools and LLM modules
 
-SANDBOX_GUARD = r'''
-import os, sys
-_ROOT = os.path.realpath(os.getcwd())
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_BLOCKED = {"os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty", "subprocess.Popen", "socket.connect",
-            "socket.bind", "ctypes.dlopen", "os.kill"}
-_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod", "os.truncate",
-                "shutil.rmtree", "os.utime", "os.chown"}
-def _inside(path):
-    return isinstance(path, int) or os.path.realpath(os.fsdecode(path)).startswith(_ROOT + os.sep)
-def _guard(event, args):
-    if event in _BLOCKED or (event == "import" and args[0] in ("ctypes", "_ctypes")):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
-        if writing and path is not None and not _inside(path):
-            raise PermissionError(f"sandbox: writing outside the working directory: {path}")
-    if event in _PATH_EVENTS and not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
-        raise PermissionError(f"sandbox: {event} outside the working directory")
-sys.addaudithook(_guard)
-del _guard
-'''
+# The Python tool runs model-written code. Where the machine allows it (root and util-linux `unshare`), each
+# call gets new mount, network and PID namespaces: only a down loopback (no network), a /proc that shows
+# only itself, fresh tmpfs over /tmp, /var/tmp, /dev/shm, /root and /home (nothing written there survives,
+# nothing secret there is readable), the run's data files replaced by /dev/null, and its own empty working
+# directory. It then drops to the unprivileged uid SANDBOX_UID, whose process limit of 1 forbids children,
+# with CPU, memory, file-size and open-file caps, an empty environment, and output into files the trainer
+# reads at most `max_output` characters of. No guard state lives in the model's process.
+SANDBOX_UID = 65534  # "nobody"
+SANDBOX_BOOT = r"""
+import os, resource, subprocess, sys
+work, code_path, python, uid, memory_mb, cpu_s, file_mb, *hidden = sys.argv[1:]
+uid, mb = int(uid), 1 << 20
+def mount(*args):
+    subprocess.run(["mount", *args], check=True)
+mount("-t", "tmpfs", "-o", "mode=755,size=1m", "tmpfs", "/mnt")
+os.mkdir("/mnt/work"); os.mkdir("/mnt/py")
+mount("--bind", work, "/mnt/work")
+prefixes = sorted({sys.base_prefix, sys.prefix})  # the interpreter and its venv, re-exposed read-only
+keep = [(p, f"/mnt/py/{n}") for n, p in enumerate(prefixes)]
+for source, target in keep:
+    os.mkdir(target); mount("--bind", source, target); mount("-o", "remount,bind,ro", target)
+for folder in ["/tmp", "/var/tmp", "/dev/shm", "/root", "/home"]:
+    if os.path.isdir(folder):
+        mount("-t", "tmpfs", "-o", "mode=755,size=16m", "tmpfs", folder)
+for source, target in keep:
+    if not os.path.isdir(source):
+        os.makedirs(source); mount("--bind", target, source)
+for path in hidden:
+    if os.path.isfile(path):
+        mount("--bind", "/dev/null", path)
+os.chdir("/mnt/work")
+for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT_CPU, int(cpu_s)),
+                     (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
+                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 1)]:
+    resource.setrlimit(limit, (value, value))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+threads = {k: "1" for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"]}  # no helper threads
+os.execve(python, [python, "-I", "-B", code_path], threads)
+"""
 
 
-def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000):
-    """Run model-written code in a separate Python process and return its output as an observation.
+def sandbox_isolates():
+    """True when each Python tool call can get its own namespaces (root + `unshare`); checked once."""
+    if not hasattr(sandbox_isolates, "ok"):
+        trial = ["unshare", "--mount", "--net", "--pid", "--fork", "--mount-proc", "true"]
+        sandbox_isolates.ok = (os.geteuid() == 0 and shutil.which("unshare") is not None
+                               and subprocess.run(trial, capture_output=True).returncode == 0)
+        if not sandbox_isolates.ok:
+            print("WARNING: the Python tool runs WITHOUT OS-level isolation (needs root and util-linux "
+                  "`unshare`): only resource limits, an empty environment and a temp folder apply; network, "
+                  "file reads, writes the user may make, and child processes are NOT blocked.", file=sys.stderr)
+    return sandbox_isolates.ok
 
-    Isolation (best effort, not a security boundary — use a container for hostile models): an empty
-    temporary working directory, `python -I` with an empty environment (no inherited secrets), CPU-time
-    and address-space limits, a wall-clock timeout, and an audit hook that refuses writes outside the
-    working directory, process spawning, sockets and ctypes. Output is truncated to `max_output` chars.
+
+def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=()):
+    """Run model-written code in an isolated process (see SANDBOX_BOOT) and return (output, ok).
+
+    Output is stdout plus the last stderr line on failure, cut at `max_output` characters; a run past
+    `timeout` seconds is killed with everything it started. `hidden_files` (the run's data) read as empty.
     """
     import resource
 
-    def limits():
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
+    with tempfile.TemporaryDirectory(prefix="agentflow_py_") as workdir, \
+            tempfile.TemporaryDirectory(prefix="agentflow_out_") as outdir:
+        work, out = Path(workdir) / "work", Path(outdir)
+        work.mkdir()
+        (work / "main.py").write_text(code)
+        with open(out / "stdout", "wb") as stdout, open(out / "stderr", "wb") as stderr:
+            if sandbox_isolates():
+                os.chown(work, SANDBOX_UID, SANDBOX_UID)
+                os.chmod(workdir, 0o755)
+                command = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+                           sys.executable, "-I", "-c", SANDBOX_BOOT, str(work), "main.py", sys.executable,
+                           str(SANDBOX_UID), str(memory_mb), str(int(timeout) + 1), "1",
+                           *[str(Path(f).resolve()) for f in hidden_files]]
+                limits = None
+            else:
+                command = [sys.executable, "-I", "-B", "main.py"]
 
-    with tempfile.TemporaryDirectory(prefix="agentflow_py_") as workdir:
-        script = Path(workdir) / "main.py"
-        script.write_text(SANDBOX_GUARD + "\n" + code)
-        try:
-            done = subprocess.run([sys.executable, "-I", str(script)], cwd=workdir, env={}, capture_output=True,
-                                  text=True, timeout=timeout, preexec_fn=limits)
-        except subprocess.TimeoutExpired:
-            return f"error: timed out after {timeout:g} s", False
-    output = (done.stdout + ("\n" + done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr else ""))
-    output = output.strip() or "(no output; print the result)"
-    return output[:max_output] + (" …[truncated]" if len(output) > max_output else ""), done.returncode == 0
+                def limits():
+                    for limit, value in [(resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 1 << 20),
+                                         (resource.RLIMIT_CPU, int(timeout) + 1)]:
+                        resource.setrlimit(limit, (value, value))
+            process = subprocess.Popen(command, cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=stdout,
+                                       stderr=stderr, preexec_fn=limits, start_new_session=True)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # with --kill-child, its namespace goes too
+                process.wait()
+                for _ in range(200):  # until the killed group has exited (at most 2 s more)
+                    try:
+                        os.killpg(process.pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.01)
+                return f"error: timed out after {timeout:g} s", False
+        text = (out / "stdout").read_bytes()[:max_output + 1].decode("utf-8", "replace")
+        errors = (out / "stderr").read_bytes()[-2000:].decode("utf-8", "replace").strip().splitlines()
+    if process.returncode and errors:
+        text += "\n" + errors[-1]
+    text = text.strip() or ("(no output; print the result)" if process.returncode == 0
+                            else f"error: exit status {process.returncode}")
+    return text[:max_output] + (" …[truncated]" if len(text) > max_output else ""), process.returncode == 0
 
 
 def make_retriever(corpus_path, top_k=3, max_chars=600):
@@ -381,64 +460,93 @@ def answers_match(prediction, answer):
         return " ".join(pred.split()) == " ".join(gold.split())
 
 
-def build_full(args, device):
-    """HF planner with LoRA; executor, verifier and generator are the same model with the adapter off."""
-    tokenizer, planner = common.load_causal_lm(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                               lora_rank=args.lora_rank)
-    retrieve = make_retriever(args.corpus) if args.corpus else (lambda query: "error: no --corpus given")
-    tool_list = "\n".join(f"- {name}: {desc} Input: {fmt}." for name, (desc, fmt) in FULL_TOOLS.items())
+@dataclasses.dataclass
+class ToolSystem:
+    """Full scale: the planner is an HF model with LoRA; executor, verifier and generator are the same model
+    with the adapter off, greedy (the paper's frozen modules, DEVIATION 2). Tools: Python (sandboxed),
+    retrieval over a local corpus, and the base generator."""
+    train: list
+    test: list
+    tokenizer: object
+    planner: object
+    retrieve: object
+    tool_timeout: float
+    max_new_tokens: int
+    gen_batch: int
+    hidden_files: tuple
 
-    def chat(text):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    def chat(self, text):
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
 
-    def render(memory):
-        return "\n".join(f"Step {e['step']}: tool={e['tool']} sub-goal={e['subgoal']!r} command={e['command']!r} "
-                         f"result={str(e['result'])[:500]!r}" for e in memory.entries) or "(empty)"
+    def frozen(self, prompts, max_new_tokens=None):
+        """The frozen modules: base weights (adapter off), greedy."""
+        with self.planner.disable_adapter():
+            out = common.sample_completions(self.planner, self.tokenizer, [self.chat(p) for p in prompts],
+                                            max_new_tokens or self.max_new_tokens, 0.0, batch_rows=self.gen_batch)
+        return [text for text, _, _ in out]
 
-    def frozen(prompts, max_new_tokens=256):  # the frozen modules: base weights, greedy (DEVIATION 2)
-        with planner.disable_adapter(), torch.no_grad():
-            seq, _, mask, plen = common.sample_completions(planner, tokenizer, [chat(p) for p in prompts],
-                                                           max_new_tokens, temperature=0.0)
-        return tokenizer.batch_decode(seq[:, plen:] * mask, skip_special_tokens=True)
+    def planner_prompt(self, query, memory):
+        tools = "\n".join(f"- {name}: {desc} Input: {fmt}." for name, (desc, fmt) in FULL_TOOLS.items())
+        return self.chat(f"Question: {query['question']}\nTools:\n{tools}\nMemory:\n{render_memory(memory)}\n"
+                         "Plan the next step. Reply exactly:\nSub-Goal: <what to find out next>\nTool: <tool name>")
 
-    def planner_prompt(query, memory):
-        return chat(f"Question: {query['question']}\nTools:\n{tool_list}\nMemory:\n{render(memory)}\n"
-                    "Plan the next step. Reply exactly:\nSub-goal: <what to find out next>\nTool: <tool name>")
+    def parse_plan(self, text):
+        """The official planner's `Sub-Goal:` / `Tool:` fields, any case; the sub-goal may span lines."""
+        tool = re.search(r"^\W*tool\W*:\s*([\w-]+)", text, re.I | re.M)
+        goal = re.search(r"^\W*sub-?goal\W*:\s*(.+?)(?=^\W*tool\W*:|\Z)", text, re.I | re.M | re.S)
+        if not tool or not goal or tool.group(1).lower() not in FULL_TOOLS:
+            raise ValueError("expected 'Sub-Goal: …' and 'Tool: <" + "|".join(FULL_TOOLS) + ">'")
+        return tool.group(1).lower(), " ".join(goal.group(1).split())
 
-    def parse_plan(text):
-        tool, goal = re.search(r"Tool:\s*([\w-]+)", text), re.search(r"Sub-goal:\s*(.+)", text)
-        if not tool or not goal or tool.group(1) not in FULL_TOOLS:
-            raise ValueError("expected 'Sub-goal: …' and 'Tool: <" + "|".join(FULL_TOOLS) + ">'")
-        return tool.group(1), goal.group(1).strip()
-
-    def execute(calls):
-        commands = frozen([f"Question: {q['question']}\nSub-goal: {goal}\nWrite the input for the tool '{tool}': "
-                           f"{FULL_TOOLS[tool][1]}. Reply with the input only." for q, tool, goal, _ in calls])
+    def execute(self, calls):
+        """The executor writes each tool's input from the question, the sub-goal and the memory so far (the
+        official executor's context), then the tool runs."""
+        commands = self.frozen([f"Question: {q['question']}\nContext (earlier steps):\n{render_memory(m)}\n"
+                                f"Sub-Goal: {goal}\nWrite the input for the tool '{tool}': {FULL_TOOLS[tool][1]}. "
+                                "Reply with the input only." for q, tool, goal, m in calls])
         results = []
         for (query, tool, goal, _), command in zip(calls, commands):
             if tool == "python":
                 block = re.search(r"```(?:python)?\n(.*?)```", command, re.S)
-                results.append((command, *python_tool(block.group(1) if block else command, args.tool_timeout)))
+                results.append((command, *python_tool(block.group(1) if block else command, self.tool_timeout,
+                                                      hidden_files=self.hidden_files)))
             elif tool == "retrieve":
-                results.append((command, retrieve(command), True))
+                results.append((command, self.retrieve(command), True))
             else:
-                results.append((command, frozen([command])[0], True))
+                results.append((command, self.frozen([command])[0], True))
         return results
 
-    def verify(items):
-        verdicts = frozen([f"Question: {q['question']}\nMemory:\n{render(m)}\nIs the memory enough to answer? "
-                           "Reply STOP or CONTINUE." for q, m in items], max_new_tokens=8)
+    def verify(self, items):
+        verdicts = self.frozen([f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nIs the memory enough to "
+                                "answer? Reply STOP or CONTINUE." for q, m in items], max_new_tokens=8)
         return ["STOP" in v.upper() for v in verdicts]
 
-    def generate(items):
-        texts = frozen([f"Question: {q['question']}\nMemory:\n{render(m)}\nGive the final answer on the last line "
-                        "as 'Answer: <answer>'." for q, m in items])
-        return [(re.findall(r"Answer:\s*(.+)", t) or [t.strip().splitlines()[-1] if t.strip() else None])[-1] for t in texts]
+    def generate(self, items):
+        texts = self.frozen([f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nGive the final answer on "
+                             "the last line as 'Answer: <answer>'." for q, m in items])
+        return [(re.findall(r"Answer:\s*(.+)", t) or [t.strip().splitlines()[-1] if t.strip() else None])[-1]
+                for t in texts]
 
-    return {"train": load_qa_jsonl(args.data), "test": load_qa_jsonl(args.eval_data) if args.eval_data else [],
-            "tokenizer": tokenizer, "planner": planner, "planner_prompt": planner_prompt, "parse_plan": parse_plan,
-            "execute": execute, "verify": verify, "generate": generate,
-            "judge": lambda query, answer: answers_match(answer, query["answer"])}
+    def judge(self, query, answer):
+        return answers_match(answer, query["answer"])
+
+
+def render_memory(memory):
+    """M as text for the LLM modules, one line per step."""
+    return "\n".join(f"Step {e['step']}: tool={e['tool']} sub-goal={e['subgoal']!r} command={e['command']!r} "
+                     f"result={str(e['result'])[:500]!r}" for e in memory.entries) or "(empty)"
+
+
+def build_full(args, device):
+    """HF planner with LoRA; the frozen modules are the same model with the adapter off."""
+    tokenizer, planner = common.load_causal_lm(args.model, device, args.lora_rank,
+                                               gradient_checkpointing=args.gradient_checkpointing)
+    retrieve = make_retriever(args.corpus) if args.corpus else (lambda query: "error: no --corpus given")
+    hidden = tuple(f for f in (args.data, args.eval_data, args.corpus) if f)  # the tool cannot read them
+    return ToolSystem(load_qa_jsonl(args.data), load_qa_jsonl(args.eval_data) if args.eval_data else [],
+                      tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
+                      args.gen_batch, hidden)
 
 
 # ----------------------------------------------------------------------------- the algorithm core (§4.2)
@@ -464,18 +572,35 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     return torch.cat(rows)
 
 
-def planner_sampler(world, temperature, max_new_tokens):
-    """plan(prompts) → [(text, completion ids, log-probs at sampling time)], one batched `generate`."""
-    return lambda prompts: common.sample_with_logprobs(world["planner"], world["tokenizer"], prompts, max_new_tokens,
-                                                       temperature)
+def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta, token_count):
+    """The Flow-GRPO objective of §4.2 as a loss, per planner token t of every turn-sample:
+    L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
+
+    A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts the
+    step's planner tokens (DEVIATION 1: token-mean), so micro-batches add up to the one-shot loss."""
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -advantages[:, None] * ratio
+    pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
+    kl = common.kl_penalty(logp, ref_logp, "k3")
+    loss = ((pg_loss + beta * kl) * mask).sum() / token_count
+    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
+             "kl": common.masked_mean(kl, mask).item()}
+    return loss, stats
+
+
+def planner_sampler(system, temperature, args):
+    """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
+    return lambda prompts: common.sample_completions(system.planner, system.tokenizer, prompts, args.max_new_tokens,
+                                                     temperature, batch_rows=args.gen_batch)
 
 
 # ----------------------------------------------------------------------------- training
 
 
-def evaluate(world, queries, args):
+def evaluate(system, queries, args):
     """Greedy rollouts with the evaluation turn cap: accuracy, mean turns, tool error rate."""
-    trajectories = run_agent(queries, world, planner_sampler(world, 0.0, args.max_new_tokens), args.eval_max_turns)
+    trajectories = run_agent(queries, system, planner_sampler(system, 0.0, args), args.eval_max_turns)
     return rollout_stats(trajectories), trajectories
 
 
@@ -503,74 +628,85 @@ def validate(args):
         (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
         (args.max_turns >= 1 and args.eval_max_turns >= 1, "--max-turns and --eval-max-turns must be ≥ 1"),
         (args.temperature > 0, "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
+        (args.micro_batch_tokens >= 1 and args.gen_batch >= 1, "--micro-batch-tokens and --gen-batch must be ≥ 1"),
         (bool(args.model) == bool(args.data), "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy"),
         (not args.model or args.lora_rank > 0, "--model needs --lora-rank > 0: the frozen modules are the adapter-off model"),
     ])
 
 
-def train_arm(args, world, credit, logger, checkpoint, accelerator):
-    """Flow-GRPO on the planner: G rollouts per query → broadcast A_i → token-level clipped loss + β·KL.
-    With N processes each rank rolls out its block of queries with its own noise; the planner's DDP wrapper
-    averages the gradients of the ranks' token-mean losses."""
-    tokenizer, planner = world["tokenizer"], world["planner"]
+def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerator):
+    """Flow-GRPO on the planner (§4.2): G rollouts per query → broadcast A_i → every planner turn a
+    single-turn sample → token-level clipped loss + β·KL. With N processes each rank rolls out its block of
+    queries with its own noise; the planner's DDP wrapper averages the gradients."""
+    tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
     params = [p for p in planner.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    autocast = common.training_autocast(device)
     gen = torch.Generator().manual_seed(args.seed)
     mine = common.local_groups(args.queries_per_step, accelerator)
-    plan = planner_sampler(world, args.temperature, args.max_new_tokens)
-    first_ratio_dev, start = 0.0, 1
+    plan = planner_sampler(system, args.temperature, args)
+    sampler_dev, start = 0.0, 1
     state_objects = ({"planner": planner}, {"optimizer": optimizer}, {"rollouts": gen})
-    if args.resume and checkpoint.exists():  # weights, optimiser, RNGs and metrics so far
+    if args.resume and checkpoint.exists():  # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
         done, extra = common.load_training_state(checkpoint, *state_objects)
-        first_ratio_dev, start = extra["first_ratio_dev"], done + 1
+        sampler_dev, start = extra["sampler_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
-        pick = torch.randint(len(world["train"]), (args.queries_per_step,), generator=gen)[mine.start:mine.stop].tolist()
-        queries = [world["train"][i] for i in pick for _ in range(args.group_size)]
+        # ALGO LOGIC
+        # 1. G rollouts of the whole system per query (this rank's queries), of different lengths
+        pick = torch.randint(len(system.train), (args.queries_per_step,), generator=gen)[mine.start:mine.stop]
+        queries = [system.train[i] for i in pick.tolist() for _ in range(args.group_size)]
         if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
             torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
-        trajectories = run_agent(queries, world, plan, args.max_turns)  # G rollouts of different lengths
+        trajectories = run_agent(queries, system, plan, args.max_turns)
+        # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i (§4.2)
         rewards = torch.tensor([t["reward"] for t in trajectories])
         turns = [len(t["turns"]) for t in trajectories]
         row_adv = broadcast_advantages(rewards, turns, args.group_size, args.group_norm)  # (Σ T_i,)
-        rows = [(turn, a) for turn, a in zip((turn for t in trajectories for turn in t["turns"]), row_adv.tolist())]
+        rows = list(zip((turn for t in trajectories for turn in t["turns"]), row_adv.tolist()))
         if credit == "final-turn":  # the ablation: only each trajectory's last planner turn is trained
-            last = torch.tensor(turns).cumsum(0) - 1
-            rows = [rows[k] for k in last.tolist()]
-        ids, attn, mask = common.pack_completions(tokenizer, [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows], device)
-        old_logp = common.place_logprobs(mask, [t["old_logp"] for t, _ in rows])
-        advantages = torch.tensor([a for _, a in rows], device=device)
-        ref_logp = common.reference_logprobs(planner, reference, ids, attn, args.temperature)
-
+            rows = [rows[k] for k in (torch.tensor(turns).cumsum(0) - 1).tolist()]
+        prompts, completions = [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows]
+        token_count = max(1, sum(len(c) for c in completions))
+        batches = common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens)
+        packed = [common.pack_completions(tokenizer, [prompts[k] for k in b], [completions[k] for k in b], device)
+                  for b in batches]
+        with autocast:
+            ref_logps = [common.reference_logprobs(planner, reference, ids, attn, mask.shape[1], args.temperature)
+                         for ids, attn, mask in packed]
+        # 3. inner_steps optimiser steps, gradients accumulated over token-bounded micro-batches
         planner.train()
         for inner in range(args.inner_steps):
-            logp = common.completion_logprobs(world["train_planner"], ids, attn, temperature=args.temperature)
-            if inner == 0:  # re-batched, re-padded, not yet updated: must equal the sampler's log-probs
-                first_ratio_dev = max(first_ratio_dev, ((logp.detach() - old_logp).exp() - 1).mul(mask).abs().max().item())
-            # §4.2 J(θ): token-level min(ρ·A_i, clip(ρ, 1−ε, 1+ε_high)·A_i) (DEVIATION 1: token-mean), − β·KL (k3)
-            loss, stats = common.clipped_policy_loss(logp, old_logp, advantages, mask, args.clip_eps, args.clip_eps_high)
-            kl = common.masked_mean(common.kl_penalty(logp, ref_logp), mask)
-            loss = loss + args.beta * kl
-            if not torch.isfinite(loss):
-                raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
             optimizer.zero_grad()
-            accelerator.backward(loss)
+            for batch, (ids, attn, mask), ref_logp in zip(batches, packed, ref_logps):
+                old_logp = common.place_logprobs(mask, [rows[k][0]["old_logp"] for k in batch])
+                advantages = torch.tensor([rows[k][1] for k in batch], device=device)
+                with autocast:
+                    logp = common.completion_logprobs(train_planner, ids, attn, mask.shape[1], args.temperature)
+                if inner == 0 and step == start:  # not yet updated: training must score what the sampler drew
+                    sampler_dev = max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
+                loss, stats = flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, args.clip_eps,
+                                             args.clip_eps_high, args.beta, token_count)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
+                accelerator.backward(loss)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         rewards = accelerator.gather(rewards.float().to(device)).cpu()  # the whole step's; the rest is rank 0's
         record = {"reward": rewards.mean().item(), "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-                  "mean_turns": sum(turns) / len(turns), "turn_samples": len(rows), "loss": loss.item(), "kl": kl.item(),
-                  "first_ratio_dev": first_ratio_dev, **stats}
-        if world["test"] and (step % args.eval_every == 0 or step == args.steps) and accelerator.is_main_process:
-            record |= {f"eval_{k}": v for k, v in evaluate(world, world["test"], args)[0].items()}
+                  "mean_turns": sum(turns) / len(turns), "turn_samples": len(rows), "loss": loss.item(),
+                  "sampler_logprob_max_dev": sampler_dev, **stats}
+        if system.test and (step % args.eval_every == 0 or step == args.steps) and accelerator.is_main_process:
+            record |= {f"eval_{k}": v for k, v in evaluate(system, system.test, args)[0].items()}
         logger.log(step, **record)
         if args.save_every and (step % args.save_every == 0 or step == args.steps) and accelerator.is_main_process:
             common.save_training_state(checkpoint, step, *state_objects,
-                                       extra={"first_ratio_dev": first_ratio_dev, "records": logger.records})
-    return first_ratio_dev
+                                       extra={"sampler_dev": sampler_dev, "records": logger.records})
+    return sampler_dev
 
 
 def train(args):
@@ -578,23 +714,23 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
-    world = build_full(args, device) if args.model else build_toy(args, device)
-    world["planner"].to(device)
-    world["train_planner"] = accelerator.prepare(world["planner"])  # DDP wrapper (N processes) for the loss
+    system = build_full(args, device) if args.model else build_toy(args, device)
+    train_planner = accelerator.prepare(system.planner)  # DDP wrapper (N processes) for the loss
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
-    initial_state = copy.deepcopy(world["planner"].state_dict()) if args.ablation else None
-    test = world["test"] if accelerator.is_main_process else []  # only rank 0 evaluates and writes
-    before, before_rollouts = evaluate(world, test, args) if test else ({}, [])
+    initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
+    test = system.test if accelerator.is_main_process else []  # only rank 0 evaluates and writes
+    before, before_rollouts = evaluate(system, test, args) if test else ({}, [])
 
     logger = common.RunLogger(out_dir, config, args.steps, f"agentflow ({args.credit})", quiet=args.quiet,
                               main_process=accelerator.is_main_process)
-    first_ratio_dev = train_arm(args, world, args.credit, logger, out_dir / "checkpoint.safetensors", accelerator)
-    after, after_rollouts = evaluate(world, test, args) if test else ({}, [])
+    sampler_dev = train_arm(args, system, train_planner, args.credit, logger, out_dir / "checkpoint.safetensors",
+                            accelerator)
+    after, after_rollouts = evaluate(system, test, args) if test else ({}, [])
     summary = {f"{k}_before": v for k, v in before.items()} | {f"{k}_after": v for k, v in after.items()} | {
         "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
         "mean_turns": after.get("mean_turns"), "tool_error_rate": after.get("tool_error_rate"),
-        "credit": args.credit, "first_step_ratio_max_dev": first_ratio_dev}
+        "credit": args.credit, "sampler_logprob_max_dev": sampler_dev}
     if test:
         shown = "\n".join(["before training:", format_rollout(before_rollouts[0]), "after training:",
                            format_rollout(after_rollouts[0])])
@@ -602,18 +738,19 @@ def train(args):
         if not args.quiet:
             print(shown)
     if args.model and accelerator.is_main_process:
-        world["planner"].save_pretrained(out_dir / "planner")  # the LoRA adapter
-        world["tokenizer"].save_pretrained(out_dir / "planner")
-    if args.ablation and world["test"]:
+        system.planner.save_pretrained(out_dir / "planner")  # the LoRA adapter
+        system.tokenizer.save_pretrained(out_dir / "planner")
+    if args.ablation and system.test:
         other = "final-turn" if args.credit == "broadcast" else "broadcast"
-        world["planner"].load_state_dict(initial_state)
+        system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
-        ablation_logger = common.RunLogger(out_dir / other, config | {"credit": other}, args.steps, f"agentflow ({other})",
-                                           quiet=True, main_process=accelerator.is_main_process)
-        train_arm(dataclasses.replace(args, credit=other), world, other, ablation_logger,
+        ablation_logger = common.RunLogger(out_dir / other, config | {"credit": other}, args.steps,
+                                           f"agentflow ({other})", quiet=True,
+                                           main_process=accelerator.is_main_process)
+        train_arm(dataclasses.replace(args, credit=other), system, train_planner, other, ablation_logger,
                   out_dir / other / "checkpoint.safetensors", accelerator)
         if accelerator.is_main_process:
-            ablated = evaluate(world, test, args)[0]
+            ablated = evaluate(system, test, args)[0]
             ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
             summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
             plot_accuracy_comparison(before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
