@@ -492,7 +492,9 @@ class ToolSystem:
                          "Plan the next step. Reply exactly:\nSub-Goal: <what to find out next>\nTool: <tool name>")
 
     def parse_plan(self, text):
-        """The official planner's `Sub-Goal:` / `Tool:` fields, any case; the sub-goal may span lines."""
+        """The official planner's `Sub-Goal:` / `Tool:` fields, any case, markdown bold allowed; the sub-goal
+        may span lines."""
+        text = text.replace("*", "")
         tool = re.search(r"^\W*tool\W*:\s*([\w-]+)", text, re.I | re.M)
         goal = re.search(r"^\W*sub-?goal\W*:\s*(.+?)(?=^\W*tool\W*:|\Z)", text, re.I | re.M | re.S)
         if not tool or not goal or tool.group(1).lower() not in FULL_TOOLS:
