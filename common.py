@@ -134,10 +134,10 @@ def generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos
     is applied by `SampledLogprobs`, the last logits processor, so generate's own temperature stays 1."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=1.0, top_k=0,
-                            top_p=1.0, repetition_penalty=1.0, num_beams=1,
-                            eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
-                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, repetition_penalty=1.0,
+                            num_beams=1, eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **sampling)
 
 
 class SampledLogprobs:
