@@ -38,7 +38,8 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
     rewards: flat (B·G,) tensor, the G samples of one prompt next to each other.
     scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages match
-    the libraries a reader will compare against; scale="none": Dr. GRPO, A = r − mean_g.
+    the libraries a reader will compare against; scale="global": the std of the whole batch (the official
+    image Flow-GRPO's `global_std`); scale="none": Dr. GRPO, A = r − mean_g.
     A group whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so it
     carries no policy gradient and never a NaN.
     """
@@ -52,8 +53,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "global":
+        centered = centered / (grouped.std() + eps)
     elif scale != "none":
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+        raise ValueError(f"scale must be 'group', 'global' or 'none', got {scale!r}")
     flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
     return torch.where(flat, torch.zeros_like(centered), centered).view(-1)
 

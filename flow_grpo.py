@@ -1,44 +1,59 @@
 """Flow-GRPO for flow-matching image models: online RL through an SDE that shares the ODE's marginals.
 
 Paper: "Flow-GRPO: Training Flow Matching Models via Online RL", Liu et al. 2025, arXiv 2505.05470.
-Official code: yifan123/flow_grpo. Digest: REFERENCES.md §1.
 NOT AgentFlow's "Flow-GRPO" (Li et al. 2025, arXiv 2510.05592), which trains an LLM planner inside a
 multi-turn agent loop: that algorithm is agentflow.py. Same name, unrelated method.
 
 A flow-matching sampler is a deterministic ODE, so an image has no likelihood and GRPO has no ratio.
-Flow-GRPO swaps the ODE for a reverse-time SDE with the same marginal at every noise level (§1.2): each
+Flow-GRPO swaps the ODE for a reverse-time SDE with the same marginal at every noise level: each
 denoising step becomes a Gaussian policy N(mean_θ, s²I), whose log-prob gives the per-step ratio. The
 trajectory's group-relative advantage is applied at every trained step. Training samples use few steps
 (10, "denoising reduction"); evaluation uses the full ODE schedule (40).
 
-Equation map (REFERENCES.md section → function):
-    §1.2 Eqs. 7–9  mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt,  s = σ_t·√|dt|,  σ_t = a·√(t/(1−t))
-                                                                               → sde_step_with_logprob
-    §1.3           log N(x_next; mean, s²I), averaged over dims                → common.gaussian_logprob
-    §1.4           KL = ‖mean_θ − mean_ref‖² / (2s²), averaged over dims        → gaussian_mean_kl
-    §1.5           CFG v = v_∅ + w·(v_c − v_∅)                                  → guided_velocity
-    §1.5           rollouts at train_steps with SDE, eval at eval_steps with ODE → rollout
-    §0 / §1.5      A = clip((r − mean_prompt)/(std_prompt + 1e-4), ±5)          → common.group_advantages
-    §0             per-step clipped surrogate on ρ = exp(logp − old_logp)       → common.clipped_policy_loss
+Equation map (paper → function):
+    Eqs. 7–9   mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt,  s = σ_t·√|dt|,  σ_t = a·√(t/(1−t))
+                                                                              → sde_step_with_logprob
+    ratio      log N(x_next; mean, s²I), averaged over dims                   → common.gaussian_logprob
+    KL         ‖mean_θ − mean_ref‖² / (2σ_t²), averaged over dims (official)   → gaussian_mean_kl
+    CFG        v = v_∅ + w·(v_c − v_∅)                                         → guided_velocity
+    objective  per step: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL                 → step_loss
+    GRPO       A = clip((r − mean_prompt)/(std + 1e-4), ±5)                    → common.group_advantages
+    rollouts   train_steps with the SDE, evaluation at eval_steps with the ODE → rollout
 
-Deviations (numbered, on purpose):
-    1. Log-probs are averaged over latent dims (the official choice, §1.3), not summed as the density
-       would be: the ratio is then a per-dimension geometric mean, stable in bf16/fp16, and the clip range
-       is correspondingly tiny (1e-4 for SD3). The KL is averaged the same way so β keeps its meaning.
-    2. The KL keeps the paper's s² = σ_t²·|dt| (the official code drops |dt|, issues #22/#27/#78).
-    3. "Per-prompt stat tracking" = one group per prompt: every batch draws distinct prompts, so each
-       group is exactly one prompt's G samples and common.group_advantages is the tracker.
-    4. The toy trains the whole (tiny) velocity MLP with a frozen copy as reference; SD3 trains LoRA and
-       its reference is the same transformer with the adapter disabled (§1.4), as the official code.
+Deviations and choices (numbered; "official" = the authors' code, yifan123/flow_grpo):
+    1. Log-probs are averaged over latent dims (official), not summed as the density would be: the ratio
+       is then a per-dimension geometric mean, and the clip range is correspondingly tiny (1e-4 for SD3).
+    2. The KL on the means divides by σ_t² as the official code does (its sd3 train script), not by the
+       paper's s² = σ_t²·|dt|: with 10 steps |dt| is 0.04–0.14 at shift 3, so the paper's form weighs each
+       step's KL 7–25× more and β = 0.01/0.04 would mean something else.
+    3. "Per-prompt stat tracking" = one group per prompt: every batch draws distinct prompts, so each group
+       is one prompt's G samples. `--adv-std global` (official SD3 configs) divides by the std of the whole
+       gathered batch; `group` by each group's own.
+    4. The toy trains the whole (tiny) velocity MLP with a frozen copy as reference; SD3 trains LoRA and its
+       reference is the same transformer with the adapter disabled, as official.
+    5. CFG: both halves go through the trained transformer with gradient (the official SD3 script does the
+       same; one forward on the doubled batch).
+    6. Rollouts run in the training micro-batch shape (`--micro-batch` rows), so rollout and training pick
+       the same kernels and the on-policy ratio stays 1 (logged: sampler_logprob_max_dev).
+    Official defaults exposed as flags (sd3 preset): --adv-std global, --ema 0.9 (evaluation and saved
+    weights), --drop-zero-advantage, T5 length 128, VAE and timestep in fp32, PickScore through CLIP's image
+    processor on uint8 images.
 
-Toy (default, CPU, about a minute):   python flow_grpo.py
-Full scale (one GPU, SD3.5-Medium):   python flow_grpo.py --preset sd3 --prompts prompts.txt
-N GPUs (DDP, README):                 accelerate launch --num_processes N flow_grpo.py --preset sd3 ...
+Precision (NOTE): bf16 autocast on GPUs that support it (`--mixed-precision auto`); fp16 only with a
+GradScaler, since the per-step gradients are ~1e-9 at high noise and underflow in fp16 (measured in
+tests/test_flow_grpo.py). LoRA weights and optimiser state stay fp32; the SDE arithmetic is fp32.
+
+Toy (default, CPU, about a minute; accuracy 0.46 → ~0.97):   python flow_grpo.py
+Full scale (one GPU, SD3.5-Medium, PickScore):
+    python flow_grpo.py --preset sd3 --prompts train.txt --eval-prompts test.txt
+N GPUs (DDP, README):   accelerate launch --num_processes N flow_grpo.py --preset sd3 ...
 """
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import importlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -47,6 +62,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 
 import common
 
@@ -56,7 +72,11 @@ import common
 @dataclasses.dataclass
 class Args:
     model: str = dataclasses.field(default="", metadata={"help": "diffusers SD3 id or path ('' = toy digits MLP)"})
-    prompts: str = dataclasses.field(default="", metadata={"help": "text file (one prompt per line) or JSONL {prompt}"})
+    prompts: str = dataclasses.field(default="", metadata={"help": "training prompts: text file or JSONL {prompt}"})
+    eval_prompts: str = dataclasses.field(default="", metadata={
+        "help": "evaluation prompts (a separate file; 'train' evaluates on the training prompts)"})
+    eval_max_prompts: int = dataclasses.field(default=0, metadata={"help": "cap on evaluation prompts (0 = all)"})
+    eval_batch: int = dataclasses.field(default=64, metadata={"help": "images sampled and scored per chunk"})
     reward: str = dataclasses.field(default="digits", metadata={
         "help": "digits (toy classifier), clip, pickscore, or module:function taking (images, prompts)"})
     reward_model: str = dataclasses.field(default="", metadata={"help": "override the clip/pickscore model path"})
@@ -71,34 +91,161 @@ class Args:
     shift: float = dataclasses.field(default=1.0, metadata={"help": "scheduler shift (SD3: 3.0)"})
     clip_range: float = dataclasses.field(default=1e-3, metadata={"help": "ε of the per-step ratio clip (SD3: 1e-4)"})
     adv_clip: float = dataclasses.field(default=5.0, metadata={"help": "advantages clipped to ±adv_clip"})
+    adv_std: str = dataclasses.field(default="group", metadata={
+        "help": "divide advantages by each group's std or the whole batch's (official SD3: global)",
+        "choices": ["group", "global"]})
+    drop_zero_advantage: bool = dataclasses.field(default=False, metadata={
+        "help": "leave samples with A = 0 out of the update (official)"})
     beta: float = dataclasses.field(default=0.05, metadata={"help": "β of the KL to the reference"})
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    ema: float = dataclasses.field(default=0.0, metadata={
+        "help": "EMA decay of the trained weights used for evaluation and saving (0 = off; official 0.9)"})
     minibatches: int = dataclasses.field(default=2, metadata={"help": "optimiser steps per rollout batch"})
-    micro_batch: int = dataclasses.field(default=0, metadata={"help": "forward chunk (gradient accumulated; 0 = whole minibatch)"})
+    micro_batch: int = dataclasses.field(default=0, metadata={
+        "help": "rows per forward in rollouts and training (gradient accumulated; 0 = whole minibatch)"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute the transformer's activations in the backward pass (SD3)"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank on the attention projections (SD3)"})
     resolution: int = dataclasses.field(default=512, metadata={"help": "image size in pixels (SD3)"})
     mixed_precision: str = dataclasses.field(default="fp32", metadata={
-        "help": "weights dtype; the SDE arithmetic is always fp32", "choices": ["fp32", "fp16", "bf16"]})
+        "help": "auto: bf16 on GPUs that have it, else fp32; fp16 uses a GradScaler. The SDE math is fp32",
+        "choices": ["auto", "fp32", "fp16", "bf16"]})
     label_noise: float = dataclasses.field(default=0.4, metadata={
         "help": "toy: share of pretraining labels replaced at random (how badly the base follows prompts)"})
-    cache_dir: str = dataclasses.field(default="runs/flow_grpo_cache", metadata={"help": "toy: where the base model and reward classifier are cached"})
+    cache_dir: str = dataclasses.field(default="runs/flow_grpo_cache", metadata={
+        "help": "toy: where the base model and reward classifier are cached"})
     eval_per_prompt: int = dataclasses.field(default=40, metadata={"help": "evaluation samples per prompt"})
     eval_every: int = dataclasses.field(default=10, metadata={"help": "epochs between evaluations"})
     seed: int = dataclasses.field(default=0, metadata={"help": "random seed"})
     out_dir: str = dataclasses.field(default="runs/flow_grpo", metadata={"help": "output folder"})
     device: str = dataclasses.field(default="auto", metadata={
-        "help": "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU", "choices": ["auto", "cpu"]})
+        "help": "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        "choices": ["auto", "cpu"]})
     quiet: bool = dataclasses.field(default=False, metadata={"help": "no per-step lines or progress bar"})
     save_every: int = dataclasses.field(default=50, metadata={"help": "epochs between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
 
-# Official SD3.5-Medium recipe, one-GPU preset (REFERENCES.md §1.6): 512 px, 10/40 steps, a = 0.7, CFG 4.5,
-# shift 3, G 8 × 8 prompts, clip 1e-4, adv clip 5, lr 3e-4, LoRA r 32 / α 64, fp16, β 0.01 for PickScore.
+# Official SD3.5-Medium recipe, one-GPU preset: 512 px, 10/40 steps, a = 0.7, CFG 4.5, shift 3, G 8 × 8 prompts,
+# clip 1e-4, adv clip 5, lr 3e-4, LoRA r 32 / α 64, β 0.01 for PickScore, global std, EMA 0.9, zero-A dropped.
 PRESETS = {"sd3": dict(model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", epochs=300,
                        prompts_per_epoch=8, group_size=8, guidance=4.5, shift=3.0, clip_range=1e-4, beta=0.01,
-                       lr=3e-4, minibatches=2, micro_batch=8, lora_rank=32, mixed_precision="fp16",
-                       eval_per_prompt=1, eval_every=50)}
+                       lr=3e-4, minibatches=2, micro_batch=8, lora_rank=32, mixed_precision="auto",
+                       adv_std="global", ema=0.9, drop_zero_advantage=True, gradient_checkpointing=True,
+                       eval_per_prompt=1, eval_every=50, eval_max_prompts=2048, eval_batch=16)}
+
+# ----------------------------------------------------------------------------- the math
+
+
+def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, noise=None):
+    """x_next ~ N(mean, s²I), mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt, s = σ_t·√|dt|  (Eqs. 7–9).
+
+    Rectified-flow convention: t = sigma, t = 1 is noise, dt = sigma_next − sigma < 0; σ_t = a·√(t/(1−t))
+    with a = noise_level, and at t = 1 the next sigma stands in for t in 1 − t. Arithmetic in fp32.
+    Given `prev_sample` the step only scores it; otherwise it samples with `noise` ~ N(0, I) (drawn here
+    if None). Returns (prev_sample, log_prob (N,), mean, std).
+    """
+    if noise_level <= 0:
+        raise ValueError("noise_level = 0 is the deterministic ODE: a transition has no density, so there is no "
+                         "log-prob and no ratio; use noise_level > 0 for training rollouts")
+    velocity, sample = velocity.float(), sample.float()
+    sigma, sigma_next = float(sigma), float(sigma_next)
+    dt = sigma_next - sigma
+    sigma_t = noise_level * math.sqrt(sigma / (1 - (sigma_next if sigma >= 1 else sigma)))  # σ_t = a·√(t/(1−t))
+    mean = sample + (velocity + sigma_t**2 / (2 * sigma) * (sample + (1 - sigma) * velocity)) * dt  # Eq. 9
+    std = sigma_t * math.sqrt(-dt)
+    if prev_sample is None:
+        noise = torch.randn_like(mean) if noise is None else noise.float().to(mean.device)
+        prev_sample = mean + std * noise
+    log_prob = common.gaussian_logprob(prev_sample.detach(), mean, std)  # DEVIATION 1: mean over dims
+    return prev_sample.detach(), log_prob, mean, std
+
+
+def gaussian_mean_kl(mean, ref_mean, std):
+    """KL(N(mean, std²I) ‖ N(ref_mean, std²I)) = ‖mean − ref_mean‖² / (2·std²), averaged over dims → (N,)."""
+    return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
+
+
+def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
+    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance; w = 1 is one plain pass.
+    Both halves go through one forward on the doubled batch (DDP allows one forward per backward)."""
+    if guidance == 1.0:
+        return velocity_fn(x, sigma, cond)
+    both = tuple(torch.cat(pair) for pair in zip(cond, empty))
+    v_cond, v_empty = velocity_fn(torch.cat([x, x]), sigma, both).chunk(2)
+    return v_empty + guidance * (v_cond - v_empty)
+
+
+def step_loss(v, v_ref, x, x_next, sigma, sigma_next, old_logp, advantages, args):
+    """The per-step objective at one trained denoising step j of a trajectory:
+        ρ = exp(log π_θ(x_{j+1}|x_j) − log π_old(x_{j+1}|x_j))              (Eqs. 7–9 give the density)
+        L = mean_i [ −min(ρ_i·A_i, clip(ρ_i, 1−ε, 1+ε)·A_i) + β·KL_i ],  KL = ‖μ_θ − μ_ref‖²/(2σ_t²)
+    v_ref None means β = 0. Returns (loss, logp, stats)."""
+    _, logp, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, args.noise_level, prev_sample=x_next)
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_range, 1 + args.clip_range)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
+    kl = torch.zeros_like(pg_loss)
+    if v_ref is not None:
+        _, _, ref_mean, _ = sde_step_with_logprob(v_ref, x, sigma, sigma_next, args.noise_level, prev_sample=x_next)
+        sigma_t = std / math.sqrt(float(sigma) - float(sigma_next))  # DEVIATION 2: official σ_t², not s²
+        kl = gaussian_mean_kl(mean, ref_mean, sigma_t)
+    loss = (pg_loss + args.beta * kl).mean()
+    stats = {"clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
+             "ratio_max": ratio.max().item()}
+    return loss, logp, stats
+
+
+@torch.no_grad()
+def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step_noise=None):
+    """Our own denoising loop from t = 1 to 0. With noise_level > 0 every step is an SDE step (its noise
+    step_noise[j], or drawn) and we keep what training re-scores: latents (T+1, N, ...) and log_probs (T, N).
+    noise_level = 0 is the Euler ODE x_next = x + dt·v (evaluation; log_probs None)."""
+    latents, log_probs = [noise.float()], []
+    for j in range(len(sigmas) - 1):
+        v = guided_velocity(velocity_fn, latents[-1], sigmas[j], cond, empty, guidance).float()
+        if noise_level > 0:
+            x_next, log_prob, _, _ = sde_step_with_logprob(v, latents[-1], sigmas[j], sigmas[j + 1], noise_level,
+                                                           noise=None if step_noise is None else step_noise[j])
+            log_probs.append(log_prob)
+        else:
+            x_next = latents[-1] + (sigmas[j + 1] - sigmas[j]) * v
+        latents.append(x_next)
+    return torch.stack(latents), (torch.stack(log_probs) if log_probs else None)
+
+
+def schedule(num_steps, shift, device):
+    """The N+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler (1 → 0), as the pipeline uses them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.float().to(device)
+
+
+def score(reward_fn, images, prompts, name):
+    """Call the (possibly user-supplied) reward; its failure or a non-finite score is one clear error."""
+    try:
+        scores = torch.as_tensor(reward_fn(images, prompts)).float().cpu().reshape(-1)
+    except Exception as err:
+        raise SystemExit(f"error: the reward {name!r} raised {type(err).__name__}: {err}") from None
+    if scores.numel() != len(prompts) or not torch.isfinite(scores).all():
+        raise SystemExit(f"error: the reward {name!r} must return one finite score per image (got "
+                         f"{scores.numel()} scores for {len(prompts)} images, finite: {bool(torch.isfinite(scores).all())})")
+    return scores
+
+
+def mean_pairwise_distance(images, prompt_ids):
+    """Diversity: mean L2 distance between two samples of the same prompt, averaged over prompts."""
+    flat, labels, out = images.flatten(1).float(), torch.tensor(prompt_ids), []
+    for p in labels.unique():
+        group = flat[(labels == p).to(flat.device)]
+        if len(group) > 1:
+            d = torch.cdist(group, group)
+            out.append(d.sum().item() / (len(group) * (len(group) - 1)))
+    return float(np.mean(out))
+
 
 # ----------------------------------------------------------------------------- the toy task: 8×8 digits
 
@@ -133,7 +280,7 @@ def digits_split(seed):
 
 
 def pretrain_velocity(x, y, label_noise, seed, steps=3000):
-    """Conditional rectified flow: min ‖v_θ(x_t, t, c) − (x1 − x0)‖², x_t = (1−t)·x0 + t·x1 (§1.1).
+    """Conditional rectified flow: min ‖v_θ(x_t, t, c) − (x1 − x0)‖², x_t = (1−t)·x0 + t·x1.
 
     `label_noise` of the labels are replaced by random digits, so the base model follows its prompt
     only part of the time (the toy's analogue of SD3.5-M's 63% on GenEval); 10% go to the empty prompt.
@@ -172,85 +319,106 @@ def train_classifier(x, y, seed, steps=600):
     return model.eval().requires_grad_(False)
 
 
-def build_toy(args, device):
-    """Base velocity MLP + reward classifier, trained on first use and cached under runs/flow_grpo_cache."""
-    from sklearn.linear_model import LogisticRegression
+class DigitsTask:
+    """The toy: prompts are the digits 0–9 (10 = empty), images flattened 8×8 in [−1, 1], the reward
+    P(prompted digit) under a classifier, and an independent logistic-regression judge (never a reward)."""
 
-    train_x, train_y, test_x, test_y = digits_split(args.seed)
-    key = hashlib.sha1(json.dumps([args.seed, args.label_noise]).encode()).hexdigest()[:10]
-    cache = Path(args.cache_dir) / f"digits-{key}.safetensors"
-    base, classifier = DigitVelocity(), nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 10))
-    if cache.exists():
-        tensors, _ = common.load_checkpoint(cache)
-        base.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("base.")})
-        classifier.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("clf.")})
-    else:
-        base = pretrain_velocity(train_x, train_y, args.label_noise, args.seed)
-        classifier = train_classifier(train_x, train_y, args.seed)
-        common.save_checkpoint(cache, {**{f"base.{k}": v for k, v in base.state_dict().items()},
-                                       **{f"clf.{k}": v for k, v in classifier.state_dict().items()}}, {})
-    classifier = classifier.eval().requires_grad_(False).to(device)
-    # An independent judge (logistic regression, never used as reward) to catch reward hacking.
-    judge = LogisticRegression(max_iter=2000).fit(train_x.numpy(), train_y.numpy())
-    reward_acc = (classifier(test_x.to(device)).argmax(1).cpu() == test_y).float().mean().item()
-    policy = base.to(device)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)  # DEVIATION 4: frozen copy as π_ref
+    def __init__(self, args, device):
+        from sklearn.linear_model import LogisticRegression
 
-    def velocity_of(net):
-        return lambda x, sigma, cond: net(x, sigma.expand(len(x)), cond[0])
+        train_x, train_y, test_x, test_y = digits_split(args.seed)
+        key = hashlib.sha1(json.dumps([args.seed, args.label_noise]).encode()).hexdigest()[:10]
+        cache = Path(args.cache_dir) / f"digits-{key}.safetensors"
+        base, classifier = DigitVelocity(), nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 10))
+        if cache.exists():  # TRY NOT TO MODIFY: the base model and reward are trained once and cached
+            tensors, _ = common.load_checkpoint(cache)
+            base.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("base.")})
+            classifier.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("clf.")})
+        else:
+            base = pretrain_velocity(train_x, train_y, args.label_noise, args.seed)
+            classifier = train_classifier(train_x, train_y, args.seed)
+            common.save_checkpoint(cache, {**{f"base.{k}": v for k, v in base.state_dict().items()},
+                                           **{f"clf.{k}": v for k, v in classifier.state_dict().items()}}, {})
+        self.device = device
+        self.classifier = classifier.eval().requires_grad_(False).to(device)
+        self.judge = LogisticRegression(max_iter=2000).fit(train_x.numpy(), train_y.numpy())
+        self.prompts = self.eval_prompts = list(range(10))
+        self.latent_shape = (64,)
+        self.policy = base.to(device)
+        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)  # DEVIATION 4
+        self.info = {"reward_model_test_accuracy":
+                     (self.classifier(test_x.to(device)).argmax(1).cpu() == test_y).float().mean().item(),
+                     "judge_test_accuracy": self.judge.score(test_x.numpy(), test_y.numpy()),
+                     "diversity_test_data": mean_pairwise_distance(test_x, test_y.tolist())}
 
-    def reward(images, prompts):  # P(prompted digit) under the reward classifier
-        return classifier(images).softmax(-1).gather(1, torch.tensor(prompts, device=images.device)[:, None])[:, 0]
+    def velocity(self, net, x, sigma, cond):
+        return net(x, sigma.expand(len(x)), cond[0])
 
-    def judge_accuracy(images, prompts):
-        return float(np.mean(judge.predict(images.cpu().numpy()) == np.array(prompts)))
+    def ref_velocity(self, x, sigma, cond):
+        return self.reference(x, sigma.expand(len(x)), cond[0])
 
-    return {"prompts": list(range(10)), "latent_shape": (64,), "policy": policy,
-            "velocity_of": velocity_of, "ref_velocity": velocity_of(reference),
-            "encode": lambda prompts: (torch.tensor(prompts, device=device),),
-            "empty": lambda n: (torch.full((n,), 10, device=device),),
-            "decode": lambda latents: latents.clamp(-1, 1), "reward": reward,
-            "is_correct": lambda images, prompts: classifier(images).argmax(1).cpu() == torch.tensor(prompts),
-            "judge_accuracy": judge_accuracy, "info": {"reward_model_test_accuracy": reward_acc,
-                                                       "judge_test_accuracy": judge.score(test_x.numpy(), test_y.numpy()),
-                                                       "diversity_test_data": mean_pairwise_distance(test_x, test_y.tolist())},
-            "save": lambda out: torch.save(policy.state_dict(), out / "policy.pt")}
+    def encode(self, prompts):
+        return (torch.tensor(prompts, device=self.device),)
+
+    def empty(self, n):
+        return (torch.full((n,), 10, device=self.device),)
+
+    def decode(self, latents):
+        return latents.clamp(-1, 1)
+
+    def reward(self, images, prompts):
+        probs = self.classifier(images.to(self.device)).softmax(-1)
+        return probs.gather(1, torch.tensor(prompts, device=self.device)[:, None])[:, 0]
+
+    def accuracy(self, images, prompts):
+        """Accuracy under the reward classifier, and under the independent judge (catches reward hacking)."""
+        wanted = torch.tensor(prompts)
+        return {"accuracy": (self.classifier(images.to(self.device)).argmax(1).cpu() == wanted).float().mean().item(),
+                "accuracy_judge": float(np.mean(self.judge.predict(images.cpu().numpy()) == wanted.numpy()))}
+
+    def save(self, out):
+        torch.save(self.policy.state_dict(), out / "policy.pt")
 
 
 # ----------------------------------------------------------------------------- full scale: SD3 + rewards
 
 SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                    "attn.add_v_proj", "attn.to_add_out"]  # REFERENCES.md §1.6
+                    "attn.add_v_proj", "attn.to_add_out"]  # the official LoRA targets
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-# name → (model id, tokenizer id, divisor). PickScore's /26 is the official scaling (§1.6).
+# name → (model id, processor/tokenizer id, divisor). PickScore's /26 is the official scaling.
 CLIP_REWARDS = {"clip": ("openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", 100.0),
                 "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", 26.0)}
 
 
 def clip_reward(name, override, device):
-    """r(image, prompt) = exp(logit_scale)·cos(f_img, f_txt) / divisor with a transformers CLIPModel."""
-    from transformers import AutoTokenizer, CLIPModel
+    """r(image, prompt) = exp(logit_scale)·cos(f_img, f_txt) / divisor with a transformers CLIPModel; images go
+    through CLIP's own image processor as uint8 (resize with antialias, centre crop), as official."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil as CLIPImageProcessor, CLIPModel  # PIL: no torchvision
 
-    model_id, tokenizer_id, divisor = CLIP_REWARDS[name]
-    model_id, tokenizer_id = (override, override) if override else (model_id, tokenizer_id)
+    model_id, processor_id, divisor = CLIP_REWARDS[name]
+    model_id, processor_id = (override, override) if override else (model_id, processor_id)
     try:
         model = CLIPModel.from_pretrained(model_id).eval().requires_grad_(False).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
+        tokenizer = AutoTokenizer.from_pretrained(processor_id)
     except (OSError, ValueError) as err:
         raise SystemExit(f"error: could not load reward model {model_id!r} ({type(err).__name__}); "
                          "check the id or HF cache, or pass --reward-model PATH") from None
-    mean = torch.tensor(CLIP_MEAN, device=device)[:, None, None]
-    std = torch.tensor(CLIP_STD, device=device)[:, None, None]
+    size = model.config.vision_config.image_size
+    try:
+        processor = CLIPImageProcessor.from_pretrained(processor_id)
+    except OSError:  # a folder without preprocessor_config.json: CLIP's standard processing at the model's size
+        processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                       image_mean=CLIP_MEAN, image_std=CLIP_STD)
 
-    def score(images, prompts):
-        size = model.config.vision_config.image_size
-        pixels = (F.interpolate(images.float(), size=(size, size), mode="bicubic", align_corners=False) - mean) / std
+    def reward(images, prompts):
+        uint8 = (images.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = processor(images=list(uint8), return_tensors="pt")["pixel_values"].to(device)
         text = tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
         out = model(input_ids=text["input_ids"], attention_mask=text["attention_mask"], pixel_values=pixels)
         cos = F.cosine_similarity(out.image_embeds, out.text_embeds, dim=-1)
         return model.logit_scale.exp() * cos / divisor
 
-    return score
+    return reward
 
 
 def load_reward(args, device):
@@ -264,11 +432,11 @@ def load_reward(args, device):
         raise SystemExit(f"error: --reward {args.reward!r}: {err}; use clip, pickscore or module:function") from None
 
 
-def load_prompts(path):
+def load_prompts(path, flag="--prompts"):
     """Prompts from a text file (one per line) or a JSONL of {"prompt": ...}; clear errors otherwise."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"error: --prompts {str(path)!r} is not a file")
+        raise SystemExit(f"error: {flag} {str(path)!r} is not a file")
     lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         try:
@@ -280,156 +448,87 @@ def load_prompts(path):
     return lines
 
 
-def build_sd3(args, device):
-    """StableDiffusion3Pipeline + peft LoRA on the attention projections; π_ref = adapter disabled."""
-    from diffusers import StableDiffusion3Pipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+def weight_dtype(mixed_precision, device):
+    """The frozen weights' dtype and the autocast dtype: auto = bf16 on a GPU that has it, else fp32."""
+    if mixed_precision == "auto":
+        mixed_precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
-    try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"error: could not load {args.model!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-                         "Check the id, accept its licence on the hub, or run the toy: --preset toy") from None
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    transformer = pipe.transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, init_lora_weights="gaussian",
-                                       target_modules=SD3_LORA_TARGETS))
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # NOTE: trainable LoRA weights in fp32, the frozen base in `dtype`
-    reward = load_reward(args, device)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def velocity_of(net):  # net: the transformer, or its DDP wrapper for the training forward
-        def velocity(x, sigma, cond):
-            with autocast:
-                v = net(hidden_states=x.to(dtype), timestep=(1000 * sigma).expand(len(x)).to(dtype),
-                        encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0]
-            return v.float()  # NOTE: the SDE step runs in fp32 (§1.2: bf16 overflows there)
-        return velocity
+class SD3Task:
+    """StableDiffusion3Pipeline + peft LoRA on the attention projections; π_ref = the adapter disabled.
+    Text embeddings are computed once per batch (T5 length 128, official); the VAE decodes in fp32."""
 
-    def ref_velocity(x, sigma, cond):
-        transformer.disable_adapters()
+    def __init__(self, args, device):
+        from diffusers import StableDiffusion3Pipeline
+        from peft import LoraConfig
+
+        self.dtype = weight_dtype(args.mixed_precision, device)
         try:
-            return velocity_of(transformer)(x, sigma, cond)
+            pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=self.dtype)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: could not load {args.model!r} ({type(err).__name__}: {str(err).splitlines()[0]})."
+                             " Check the id, accept its licence on the hub, or run the toy: --preset toy") from None
+        pipe.to(device)
+        pipe.vae.to(torch.float32)  # official: decode in fp32 (the VAE has no modules to keep apart)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe, self.device = pipe, device
+        self.policy = pipe.transformer.requires_grad_(False)
+        self.policy.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                           init_lora_weights="gaussian", target_modules=SD3_LORA_TARGETS))
+        for p in self.policy.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # NOTE: trainable LoRA weights (and AdamW state) in fp32
+        if args.gradient_checkpointing:
+            self.policy.enable_gradient_checkpointing()
+        self.autocast = torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        self.reward = load_reward(args, device)
+        self.prompts = load_prompts(args.prompts)
+        self.eval_prompts = (self.prompts if args.eval_prompts == "train"
+                             else load_prompts(args.eval_prompts, "--eval-prompts"))
+        side = args.resolution // pipe.vae_scale_factor
+        self.latent_shape = (self.policy.config.in_channels, side, side)
+        self.empty_embeds = self.encode([""])
+        self.info = {}
+
+    def velocity(self, net, x, sigma, cond):
+        """v_θ(x, t, c); net is the transformer or its DDP wrapper. The timestep stays fp32 (official)."""
+        with self.autocast:
+            v = net(hidden_states=x.to(self.dtype), timestep=(1000 * sigma).float().expand(len(x)),
+                    encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0]
+        return v.float()  # NOTE: the SDE step runs in fp32
+
+    def ref_velocity(self, x, sigma, cond):
+        self.policy.disable_adapters()
+        try:
+            return self.velocity(self.policy, x, sigma, cond)
         finally:
-            transformer.enable_adapters()
+            self.policy.enable_adapters()
 
     @torch.no_grad()
-    def encode(prompts):  # text embeddings once per batch, passed as prompt_embeds (§1.6)
-        embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                                  do_classifier_free_guidance=False)
-        return embeds.to(dtype), pooled.to(dtype)
+    def encode(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+                                                       do_classifier_free_guidance=False, max_sequence_length=128)
+        return embeds.to(self.dtype), pooled.to(self.dtype)
 
-    empty_embeds = encode([""])
+    def empty(self, n):
+        return tuple(e.expand(n, *e.shape[1:]) for e in self.empty_embeds)
 
     @torch.no_grad()
-    def decode(latents):
-        latents = latents.to(dtype) / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        return (pipe.vae.decode(latents, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+    def decode(self, latents):
+        vae = self.pipe.vae
+        latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
+        return (vae.decode(latents, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
-    def save(out):
-        StableDiffusion3Pipeline.save_lora_weights(out / "lora", transformer_lora_layers=get_peft_model_state_dict(transformer))
+    def accuracy(self, images, prompts):
+        return {}
 
-    side = args.resolution // pipe.vae_scale_factor
-    return {"prompts": load_prompts(args.prompts), "latent_shape": (transformer.config.in_channels, side, side),
-            "policy": transformer, "velocity_of": velocity_of, "ref_velocity": ref_velocity, "encode": encode,
-            "empty": lambda n: tuple(e.expand(n, *e.shape[1:]) for e in empty_embeds), "decode": decode,
-            "reward": reward, "is_correct": None, "judge_accuracy": None, "info": {}, "save": save}
+    def save(self, out):
+        from diffusers import StableDiffusion3Pipeline
+        from peft.utils import get_peft_model_state_dict
 
-
-# ----------------------------------------------------------------------------- the algorithm core
-
-
-def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, noise=None):
-    """x_next ~ N(mean, s²I), mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt, s = σ_t·√|dt|  (§1.2, Eqs. 7–9).
-
-    Rectified-flow convention: t = sigma, t = 1 is noise, dt = sigma_next − sigma < 0; σ_t = a·√(t/(1−t))
-    with a = noise_level, and at t = 1 the next sigma stands in for t in 1 − t (§1.2). Arithmetic in fp32.
-    Given `prev_sample` the step only scores it; otherwise it samples with `noise` ~ N(0, I) (drawn here
-    if None). Returns (prev_sample, log_prob (N,), mean, std).
-    """
-    if noise_level <= 0:
-        raise ValueError("noise_level = 0 is the deterministic ODE: a transition has no density, so there is no "
-                         "log-prob and no ratio (seed 002, question 1); use noise_level > 0 for training rollouts")
-    velocity, sample = velocity.float(), sample.float()
-    sigma, sigma_next = float(sigma), float(sigma_next)
-    dt = sigma_next - sigma
-    sigma_t = noise_level * math.sqrt(sigma / (1 - (sigma_next if sigma >= 1 else sigma)))  # σ_t = a·√(t/(1−t))
-    mean = sample + (velocity + sigma_t**2 / (2 * sigma) * (sample + (1 - sigma) * velocity)) * dt  # Eq. (9)
-    std = sigma_t * math.sqrt(-dt)
-    if prev_sample is None:
-        noise = torch.randn_like(mean) if noise is None else noise.float().to(mean.device)
-        prev_sample = mean + std * noise
-    log_prob = common.gaussian_logprob(prev_sample.detach(), mean, std)  # §1.3, DEVIATION 1: mean over dims
-    return prev_sample.detach(), log_prob, mean, std
-
-
-def gaussian_mean_kl(mean, ref_mean, std):
-    """KL(N(mean, s²I) ‖ N(ref_mean, s²I)) = ‖mean − ref_mean‖² / (2s²), averaged over dims → (N,)  (§1.4)."""
-    return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
-
-
-def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
-    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance (§1.5); w = 1 is one plain pass.
-    Both halves go through one forward on the doubled batch (DDP allows one forward per backward)."""
-    if guidance == 1.0:
-        return velocity_fn(x, sigma, cond)
-    v_cond, v_empty = velocity_fn(torch.cat([x, x]), sigma, tuple(torch.cat(pair) for pair in zip(cond, empty))).chunk(2)
-    return v_empty + guidance * (v_cond - v_empty)
-
-
-@torch.no_grad()
-def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step_noise=None):
-    """Our own denoising loop from t = 1 to 0. With noise_level > 0 every step is an SDE step (its noise
-    step_noise[j], or drawn) and we keep what training re-scores: latents (T+1, N, ...) and log_probs (T, N).
-    noise_level = 0 is the Euler ODE x_next = x + dt·v (evaluation; log_probs None)."""
-    latents, log_probs = [noise.float()], []
-    for j in range(len(sigmas) - 1):
-        v = guided_velocity(velocity_fn, latents[-1], sigmas[j], cond, empty, guidance).float()
-        if noise_level > 0:
-            x_next, log_prob, _, _ = sde_step_with_logprob(v, latents[-1], sigmas[j], sigmas[j + 1], noise_level,
-                                                           noise=None if step_noise is None else step_noise[j])
-            log_probs.append(log_prob)
-        else:
-            x_next = latents[-1] + (sigmas[j + 1] - sigmas[j]) * v
-        latents.append(x_next)
-    return torch.stack(latents), (torch.stack(log_probs) if log_probs else None)
-
-
-def score(reward_fn, images, prompts, name):
-    """Call the (possibly user-supplied) reward; its failure or a non-finite score is one clear error."""
-    try:
-        scores = torch.as_tensor(reward_fn(images, prompts)).float().cpu().reshape(-1)
-    except Exception as err:
-        raise SystemExit(f"error: the reward {name!r} raised {type(err).__name__}: {err}") from None
-    if scores.numel() != len(prompts) or not torch.isfinite(scores).all():
-        raise SystemExit(f"error: the reward {name!r} must return one finite score per image "
-                         f"(got {scores.numel()} scores for {len(prompts)} images, finite: {bool(torch.isfinite(scores).all())})")
-    return scores
-
-
-def schedule(num_steps, shift, device):
-    """The N+1 sigmas of diffusers' FlowMatchEulerDiscreteScheduler (1 → 0), as the pipeline uses them (§1.1)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
-    scheduler.set_timesteps(num_steps)
-    return scheduler.sigmas.float().to(device)
-
-
-def mean_pairwise_distance(images, prompt_ids):
-    """Diversity: mean L2 distance between two samples of the same prompt, averaged over prompts."""
-    flat, labels, out = images.flatten(1).float(), torch.tensor(prompt_ids), []
-    for p in labels.unique():
-        group = flat[(labels == p).to(flat.device)]
-        if len(group) > 1:
-            d = torch.cdist(group, group)
-            out.append(d.sum().item() / (len(group) * (len(group) - 1)))
-    return float(np.mean(out))
+        StableDiffusion3Pipeline.save_lora_weights(out / "lora",
+                                                   transformer_lora_layers=get_peft_model_state_dict(self.policy))
 
 
 # ----------------------------------------------------------------------------- training
@@ -443,10 +542,41 @@ def validate(args):
         (0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]"),
         (args.clip_range > 0 and args.lr > 0 and args.beta >= 0, "--clip-range and --lr must be > 0, --beta ≥ 0"),
         (args.epochs >= 1 and args.minibatches >= 1, "--epochs and --minibatches must be ≥ 1"),
+        (0 <= args.ema < 1 and args.eval_batch >= 1, "--ema must be in [0, 1) and --eval-batch ≥ 1"),
         (not args.model or args.prompts, "--preset sd3 (or --model) needs --prompts FILE"),
+        (not args.model or args.eval_prompts, "--preset sd3 needs --eval-prompts FILE (a held-out set; "
+                                               "'--eval-prompts train' evaluates on the training prompts)"),
         (args.model or args.reward == "digits", "the toy (no --model) only has the digits reward"),
         (not args.model or args.lora_rank > 0, "--model needs --lora-rank > 0 (the reference is the disabled adapter)"),
     ])
+
+
+@torch.no_grad()
+def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
+    """ODE sampling at eval_steps from fixed noise, in chunks of --eval-batch, every rank a share of the
+    prompts; images go to the CPU as they are scored. Reward, and on the toy accuracy and diversity."""
+    prompts = task.eval_prompts[:args.eval_max_prompts or None]
+    prompts = [p for p in prompts for _ in range(args.eval_per_prompt)]
+    noise = torch.randn((len(prompts), *task.latent_shape), generator=torch.Generator().manual_seed(args.seed + 1))
+    rank, world = accelerator.process_index, accelerator.num_processes
+    scores, images = [], []
+    for lo in range(rank * args.eval_batch, len(prompts), world * args.eval_batch):
+        batch = prompts[lo:lo + args.eval_batch]
+        latents, _ = rollout(velocity, noise[lo:lo + len(batch)].to(accelerator.device), sigmas, task.encode(batch),
+                             task.empty(len(batch)), args.guidance, 0.0)
+        chunk = task.decode(latents[-1])
+        scores.append(score(task.reward, chunk, batch, args.reward))
+        if keep_images:
+            images.append(chunk.cpu())
+    scores = torch.cat(gather_object([torch.cat(scores)]) if world > 1 else scores)
+    metrics = {"reward": scores.mean().item()}
+    if keep_images:  # the toy: one process, all images
+        images = torch.cat(images)
+        metrics |= task.accuracy(images, prompts)
+        if args.eval_per_prompt > 1:
+            metrics["diversity"] = mean_pairwise_distance(images, [i // args.eval_per_prompt
+                                                                   for i in range(len(prompts))])
+    return metrics, images
 
 
 def train(args):
@@ -454,142 +584,140 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
-    world = build_sd3(args, device) if args.model else build_toy(args, device)
-    prompts_all = world["prompts"]
-    common.check_args([(args.prompts_per_epoch <= len(prompts_all),
-                        f"--prompts-per-epoch {args.prompts_per_epoch} > {len(prompts_all)} prompts available")])
-    params = [p for p in world["policy"].parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # §1.6: wd 1e-4, grad-norm 1.0
-    # More than one process (`accelerate launch`): the training forward goes through the DDP wrapper, which
-    # averages gradients; rollouts and evaluation use the plain network. Each rank keeps its block of groups.
-    velocity = world["velocity_of"](world["policy"])
-    train_velocity = world["velocity_of"](accelerator.prepare(world["policy"]))
+    task = SD3Task(args, device) if args.model else DigitsTask(args, device)
+    common.check_args([(args.prompts_per_epoch <= len(task.prompts),
+                        f"--prompts-per-epoch {args.prompts_per_epoch} > {len(task.prompts)} prompts available")])
+    params = [p for p in task.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # official: wd 1e-4, grad-norm 1.0
+    fp16 = args.model and task.dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=bool(fp16))  # fp16 only with loss scaling (NOTE)
+    ema = [p.detach().clone() for p in params] if args.ema else None
+    # TRY NOT TO MODIFY: with N processes the training forward goes through the DDP wrapper (it averages
+    # gradients); rollouts and evaluation use the plain network. Each rank keeps its block of groups.
+    train_net = accelerator.prepare(task.policy)
     mine = common.local_groups(args.prompts_per_epoch, accelerator)
     rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
     train_sigmas = schedule(args.train_steps, args.shift, device)
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
-    trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # §1.5: the first 9 of 10
+    trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
     out_dir = Path(args.out_dir)
     logger = common.RunLogger(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.epochs,
-                              "flow_grpo", quiet=args.quiet,
-                              main_process=accelerator.is_main_process)
+                              "flow_grpo", quiet=args.quiet, main_process=accelerator.is_main_process)
     gen = torch.Generator().manual_seed(args.seed)
+    velocity = lambda x, sigma, cond: task.velocity(task.policy, x, sigma, cond)  # noqa: E731
+    train_velocity = lambda x, sigma, cond: task.velocity(train_net, x, sigma, cond)  # noqa: E731
 
-    def evaluate():
-        """ODE sampling at eval_steps from fixed noise: reward, accuracy, diversity (§1.5). Rank 0 only."""
-        if not accelerator.is_main_process:
-            return {}, None
-        eval_gen = torch.Generator().manual_seed(args.seed + 1)
-        prompts = [p for p in prompts_all for _ in range(args.eval_per_prompt)]
-        images = []
-        for chunk in range(0, len(prompts), 64):
-            batch = prompts[chunk:chunk + 64]
-            noise = torch.randn((len(batch), *world["latent_shape"]), generator=eval_gen).to(device)
-            latents, _ = rollout(velocity, noise, eval_sigmas, world["encode"](batch), world["empty"](len(batch)),
-                                 args.guidance, 0.0)
-            images.append(world["decode"](latents[-1]))
-        images = torch.cat(images)
-        with torch.no_grad():
-            metrics = {"reward": score(world["reward"], images, prompts, args.reward).mean().item()}
-        if args.eval_per_prompt > 1:
-            metrics["diversity"] = mean_pairwise_distance(images, [i // args.eval_per_prompt for i in range(len(prompts))])
-        if world["is_correct"] is not None:
-            metrics["accuracy"] = world["is_correct"](images, prompts).float().mean().item()
-            metrics["accuracy_judge"] = world["judge_accuracy"](images, prompts)
-        return metrics, images
+    def evaluate_now(keep_images=False):
+        with swapped(params, ema):  # the EMA weights, when kept, are what is evaluated (official)
+            return evaluate(task, args, velocity, eval_sigmas, accelerator, keep_images)
 
-    before, images_before = evaluate()
-    first_ratio_dev, start = 0.0, 1
+    toy = not args.model
+    before, images_before = evaluate_now(keep_images=toy)
+    sampler_dev, start = 0.0, 1
     checkpoint = out_dir / "checkpoint.safetensors"
-    state_objects = ({"policy": world["policy"]}, {"optimizer": optimizer}, {"rollouts": gen})
-    if args.resume and checkpoint.exists():  # weights (LoRA included), optimiser, RNGs, metrics so far
+    state_objects = ({"policy": task.policy}, {"optimizer": optimizer}, {"rollouts": gen})
+    if args.resume and checkpoint.exists():  # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
         done, extra = common.load_training_state(checkpoint, *state_objects)
-        before, first_ratio_dev, start = extra["before"], extra["first_ratio_dev"], done + 1
+        before, sampler_dev, start = extra["before"], extra["sampler_dev"], done + 1
         logger.restore(extra["records"])
+        ema = [p.detach().clone() for p in params] if args.ema else None
     for epoch in range(start, args.epochs + 1):
-        # --- rollouts: B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank draws the
-        # whole batch's prompts and noise from the same generator and keeps its rows: N processes sample
-        # exactly what one process would, and no two ranks share noise.
-        pick = torch.randperm(len(prompts_all), generator=gen)[:args.prompts_per_epoch].tolist()
-        prompts = [prompts_all[i] for i in pick for _ in range(args.group_size)]
-        noise = torch.randn((len(train_sigmas), len(prompts), *world["latent_shape"]), generator=gen)  # x_1, then per step
+        # ALGO LOGIC
+        # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank draws the whole
+        #    batch's prompts and noise from one generator and keeps its rows: N processes sample what one does.
+        pick = torch.randperm(len(task.prompts), generator=gen)[:args.prompts_per_epoch].tolist()
+        prompts = [task.prompts[i] for i in pick for _ in range(args.group_size)]
+        noise = torch.randn((len(train_sigmas), len(prompts), *task.latent_shape), generator=gen)  # x_1, then steps
         prompts, noise = prompts[rows], noise[:, rows].to(device)
-        cond, empty = world["encode"](prompts), world["empty"](len(prompts))
-        latents, old_logp = rollout(velocity, noise[0], train_sigmas, cond, empty, args.guidance,
-                                    args.noise_level, step_noise=noise[1:])  # (T+1, n, ...), (T, n)
-        with torch.no_grad():
-            rewards = score(world["reward"], world["decode"](latents[-1]), prompts, args.reward)
-        advantages = common.group_advantages(rewards, args.group_size).clamp(-args.adv_clip, args.adv_clip).to(device)
-
-        # --- updates: `minibatches` optimiser steps, each summing the trained steps of its samples
-        perm = torch.randperm(args.prompts_per_epoch * args.group_size, generator=gen)
-        perm = perm[(perm >= rows.start) & (perm < rows.stop)].to(device) - rows.start  # this rank's rows, shuffled
-        stats_sum, kl_sum, n_terms = {}, 0.0, 0
-        for m, batch in enumerate(perm.chunk(args.minibatches)):
+        cond, empty = task.encode(prompts), task.empty(len(prompts))
+        micro = args.micro_batch or len(prompts)
+        # 2. SDE rollouts in the training micro-batch shape (DEVIATION 6), keeping latents and log-probs
+        parts = [rollout(velocity, noise[0, k:k + micro], train_sigmas, tuple(c[k:k + micro] for c in cond),
+                         tuple(e[k:k + micro] for e in empty), args.guidance, args.noise_level,
+                         step_noise=noise[1:, k:k + micro]) for k in range(0, len(prompts), micro)]
+        latents, old_logp = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)  # (T+1, n, ...)
+        # 3. rewards → group advantages, shared by every step of a trajectory
+        rewards = score(task.reward, task.decode(latents[-1]), prompts, args.reward)
+        all_rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch: global std, logging
+        advantages = common.group_advantages(all_rewards, args.group_size, scale=args.adv_std)
+        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)[rows].to(device)
+        # 4. `minibatches` optimiser steps, each over all trained steps of its samples
+        order = torch.randperm(args.prompts_per_epoch * args.group_size, generator=gen)
+        order = order[(order >= rows.start) & (order < rows.stop)].to(device) - rows.start  # this rank's rows
+        if args.drop_zero_advantage:
+            order = order[advantages[order] != 0]
+        stats_sum, n_terms = {}, 0
+        for m, batch in enumerate(order.chunk(args.minibatches) if len(order) else []):
             optimizer.zero_grad()
-            for chunk in batch.split(args.micro_batch or len(batch)):
+            for chunk, j in itertools.product(batch.split(micro), range(trained_steps)):
                 sub_cond, sub_empty = tuple(c[chunk] for c in cond), tuple(e[chunk] for e in empty)
-                for j in range(trained_steps):
-                    v = guided_velocity(train_velocity, latents[j][chunk], train_sigmas[j], sub_cond, sub_empty,
-                                        args.guidance)
-                    _, logp, mean, std = sde_step_with_logprob(v, latents[j][chunk], train_sigmas[j], train_sigmas[j + 1],
-                                                               args.noise_level, prev_sample=latents[j + 1][chunk])
-                    if m == 0:  # nothing has been updated yet: the ratio must be exactly 1 (§1.3)
-                        first_ratio_dev = max(first_ratio_dev, (logp.detach() - old_logp[j][chunk]).exp().sub(1).abs().max().item())
-                    ones = torch.ones_like(logp)[:, None]
-                    loss, stats = common.clipped_policy_loss(logp[:, None], old_logp[j][chunk][:, None],
-                                                             advantages[chunk], ones, args.clip_range)
-                    if args.beta > 0:
-                        with torch.no_grad():
-                            v_ref = guided_velocity(world["ref_velocity"], latents[j][chunk], train_sigmas[j], sub_cond,
-                                                    sub_empty, args.guidance)
-                            _, _, ref_mean, _ = sde_step_with_logprob(v_ref, latents[j][chunk], train_sigmas[j],
-                                                                      train_sigmas[j + 1], args.noise_level,
-                                                                      prev_sample=latents[j + 1][chunk])
-                        kl = gaussian_mean_kl(mean, ref_mean, std).mean()
-                        loss = loss + args.beta * kl
-                        kl_sum += kl.item()
-                    weight = len(chunk) / len(batch) / trained_steps
-                    if not torch.isfinite(loss):
-                        raise SystemExit(f"error: non-finite loss at epoch {epoch}; lower --lr or check the reward")
-                    accelerator.backward(loss * weight)
-                    n_terms += 1
-                    for k, val in stats.items():
-                        stats_sum[k] = stats_sum.get(k, 0.0) + val
+                x, x_next = latents[j][chunk], latents[j + 1][chunk]
+                v = guided_velocity(train_velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
+                with torch.no_grad():
+                    v_ref = (guided_velocity(task.ref_velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
+                             if args.beta > 0 else None)
+                loss, logp, stats = step_loss(v, v_ref, x, x_next, train_sigmas[j], train_sigmas[j + 1],
+                                              old_logp[j][chunk], advantages[chunk], args)
+                if m == 0:  # nothing has been updated yet: training must score what the rollout drew
+                    sampler_dev = max(sampler_dev, (logp.detach() - old_logp[j][chunk]).abs().max().item())
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"error: non-finite loss at epoch {epoch}; lower --lr or check the reward")
+                accelerator.backward(scaler.scale(loss * len(chunk) / len(batch) / trained_steps))
+                n_terms += 1
+                stats_sum = {k: stats_sum.get(k, 0.0) + v for k, v in stats.items()}
+            scaler.unscale_(optimizer)  # clip the true gradient; a step with inf/NaN gradients is skipped
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
+            for average, p in zip(ema or [], params):  # official: an EMA of the LoRA weights
+                average.lerp_(p.detach(), 1 - args.ema)
 
-        rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch's rewards; loss stats are rank 0's
-        record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size), "kl": kl_sum / n_terms,
-                  "first_ratio_dev": first_ratio_dev, **{k: v / n_terms for k, v in stats_sum.items()}}
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        record = {"reward": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+                  "zero_var_frac": common.zero_variance_fraction(all_rewards, args.group_size),
+                  "sampler_logprob_max_dev": sampler_dev, "trained_samples": len(order),
+                  **{k: v / max(1, n_terms) for k, v in stats_sum.items()}}
         if epoch % args.eval_every == 0 and epoch < args.epochs:
-            record |= {f"eval_{k}": v for k, v in evaluate()[0].items()}
+            record |= {f"eval_{k}": v for k, v in evaluate_now()[0].items()}
         logger.log(epoch, **record)
         if args.save_every and epoch % args.save_every == 0 and accelerator.is_main_process:
             common.save_training_state(checkpoint, epoch, *state_objects, extra={
-                "before": before, "first_ratio_dev": first_ratio_dev, "records": logger.records})
+                "before": before, "sampler_dev": sampler_dev, "records": logger.records})
 
-    if first_ratio_dev > 1e-5:
-        print(f"WARNING: on-policy ratio deviated from 1 by {first_ratio_dev:.2e}: rollout and training differ")
-    after, images_after = evaluate()
+    if sampler_dev > 1e-5:
+        print(f"WARNING: training log-probs differ from the rollout's by up to {sampler_dev:.2e}")
+    after, images_after = evaluate_now(keep_images=toy)
     logger.records[-1] |= {f"eval_{k}": v for k, v in after.items()}
     if accelerator.is_main_process:
-        world["save"](out_dir)
+        with swapped(params, ema):
+            task.save(out_dir)
     summary = {**{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
-               "first_step_ratio_max_dev": first_ratio_dev, **world["info"]}
-    if world["is_correct"] is not None and accelerator.is_main_process:
+               "sampler_logprob_max_dev": sampler_dev, **task.info}
+    if toy and accelerator.is_main_process:
         plot_digit_grid(images_before, images_after, args.eval_per_prompt, out_dir / "samples.png")
     return logger.finish(summary, [("reward.png", ["reward", "zero_var_frac"], "flow_grpo: training reward"),
                                    ("eval.png", ["eval_accuracy", "eval_reward"], "flow_grpo: ODE evaluation"),
                                    ("kl.png", ["kl"], "flow_grpo: KL to the reference")])
 
 
+@contextlib.contextmanager
+def swapped(params, ema):
+    """Inside the block the EMA values stand in for `params` (nothing changes when ema is None)."""
+    if ema is None:
+        yield
+        return
+    saved = [p.detach().clone() for p in params]
+    for p, e in zip(params, ema):
+        p.data.copy_(e)
+    try:
+        yield
+    finally:
+        for p, s in zip(params, saved):
+            p.data.copy_(s)
+
+
 def plot_digit_grid(before, after, per_prompt, path, columns=8):
     """Before/after ODE samples, one row per prompted digit (the same noise in both panels)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 5.5), dpi=100)

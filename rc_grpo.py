@@ -36,6 +36,8 @@ Deviations (numbered, on purpose):
     5. BFCL's harness semantics: an output that decodes to no call (`[]`, plain text, a failed parse) ends
        the user turn; more than `--max-steps` steps in one turn abandons the entry (BFCL: 20). Backend calls
        get a time limit and their results a length cap (`BFCLEnv.execute`).
+    6. Laptop knobs, off by default: `--docs needed` shows only the functions the ground truth calls and
+       `--max-turns N` keeps the first N turns (BFCL's prompts are ~3k–7.5k tokens with all docs).
 
 Toy (default, CPU, four arms):   python rc_grpo.py
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
@@ -85,7 +87,14 @@ class Args:
     max_steps: int = dataclasses.field(default=6, metadata={"help": "model steps per user turn (BFCL: 20)"})
     max_new_tokens: int = dataclasses.field(default=10, metadata={"help": "tokens per model step"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "rollout temperature; evaluation is greedy"})
-    max_tasks: int = dataclasses.field(default=0, metadata={"help": "use only the first N train and N test tasks (0 = all)"})
+    max_tasks: int = dataclasses.field(default=0, metadata={
+        "help": "use N train and N test tasks, taken round-robin over the categories (0 = all)"})
+    tasks: str = dataclasses.field(default="", metadata={"help": "comma-separated entry ids to use (train and test)"})
+    max_turns: int = dataclasses.field(default=0, metadata={
+        "help": "keep only the first N user turns of each entry (0 = all; a laptop knob)"})
+    docs: str = dataclasses.field(default="all", metadata={
+        "help": "all: every function of the involved classes (BFCL); needed: only those the ground truth calls "
+                "(shorter prompts, a laptop knob)", "choices": ["all", "needed"]})
     toy_tasks: int = dataclasses.field(default=240, metadata={"help": "toy: generated tasks (80% train, 20% test)"})
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank via peft (0 = full fine-tune)"})
     micro_batch_tokens: int = dataclasses.field(default=4096, metadata={
@@ -153,6 +162,9 @@ def function_docs(entry):
     for cls in entry["involved_classes"]:
         path = bfcl_root() / "data" / "multi_turn_func_doc" / MULTI_TURN_FUNC_DOC_FILE_MAPPING[cls]
         docs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if entry.get("docs") == "needed":  # --docs needed: only what the ground truth calls (DEVIATION 6)
+        needed = {name for turn in entry["ground_truth"] for call in turn for name, _, _ in parse_calls(call)}
+        docs = [d for d in docs if d["name"] in needed]
     missed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
     hidden = {name for names in missed.values() for name in names}
     shown = [d for d in docs if d["name"] not in hidden]  # `excluded_function` is ignored, as the official harness
@@ -504,6 +516,23 @@ def build_bfcl(args, device):
                  reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
 
 
+def select_entries(entries, args):
+    """--tasks (ids) or --max-tasks (stratified), then the laptop knobs --max-turns and --docs."""
+    if args.tasks:
+        wanted = set(args.tasks.split(","))
+        entries = [e for e in entries if e["id"] in wanted]
+    elif args.max_tasks:
+        entries = stratified(entries, args.max_tasks)
+    out = []
+    for entry in entries:
+        if args.max_turns:  # the first N user turns and their ground truth (DEVIATION 6)
+            n = args.max_turns
+            entry = entry | {"question": entry["question"][:n], "ground_truth": entry["ground_truth"][:n],
+                             "missed_function": {t: f for t, f in entry.get("missed_function", {}).items() if int(t) < n}}
+        out.append(entry | {"docs": args.docs})
+    return out
+
+
 def stratified(entries, n):
     """The first n entries taken round-robin over the categories (the data files are sorted by category)."""
     by_category = {}
@@ -816,8 +845,8 @@ def train(args):
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
     world = build_bfcl(args, device) if args.model else build_toy(args, device)
-    if args.max_tasks:
-        world.train, world.test = stratified(world.train, args.max_tasks), stratified(world.test, args.max_tasks)
+    world.train, world.test = select_entries(world.train, args), select_entries(world.test, args)
+    common.check_args([(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
     # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its groups.

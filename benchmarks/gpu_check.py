@@ -13,12 +13,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flow_grpo  # noqa: E402
+import flowrl  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -45,32 +47,36 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, device, dtype):
-    """GRPO step: generate G completions per prompt, score them, clipped loss, backward, AdamW step."""
+def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, device):
+    """GRPO step as the scripts run it: fp32 master weights (LoRA: bf16 base, fp32 adapter) under bf16
+    autocast, generate G completions per prompt, score only the completion, clipped loss, AdamW step."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=dtype).to(device)
+    base_dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=base_dtype).to(device)
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+    common.check_master_weights(model)
+    autocast = common.training_autocast(device)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     n = prompts * group_size
     ids = torch.randint(config["vocab_size"], (n, prompt_len), device=device)
     sync(device)
     start = time.time()
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, pad_token_id=0)
     sync(device)
     gen_s = time.time() - start
-    attn = torch.ones_like(seq)
+    attn, mask = torch.ones_like(seq), torch.ones(n, new_tokens, device=device)
     start = time.time()
-    logp = common.completion_logprobs(model, seq, attn)[:, prompt_len - 1:]
-    rewards = torch.rand(n, device=device)
-    loss, _ = common.clipped_policy_loss(logp, logp.detach(), common.group_advantages(rewards.cpu(), group_size).to(device),
-                                         torch.ones_like(logp))
+    with autocast:
+        logp = common.completion_logprobs(model, seq, attn, new_tokens)
+    advantages = common.group_advantages(torch.rand(n), group_size).to(device)
+    loss, _ = flowrl.grpo_loss(logp, logp.detach(), advantages, mask, 0.2, mask.sum())
     loss.backward()
     optimizer.step()
     sync(device)
@@ -83,11 +89,13 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
             "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None}
 
 
-def sd3_step(config, lora_rank, images, steps, resolution, device, dtype):
-    """Flow-GRPO step: SDE rollout with CFG, then the per-step clipped loss over the trained steps."""
+def sd3_step(config, lora_rank, images, steps, resolution, device):
+    """Flow-GRPO step in the sd3 preset's precision (bf16 weights and autocast on a GPU that has it, fp32
+    LoRA): SDE rollout with CFG, then step_loss over the trained steps."""
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
+    dtype = flow_grpo.weight_dtype("auto", device)
     transformer = SD3Transformer2DModel(**config).to(device, dtype).requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
                                        target_modules=flow_grpo.SD3_LORA_TARGETS))
@@ -103,27 +111,30 @@ def sd3_step(config, lora_rank, images, steps, resolution, device, dtype):
 
     def velocity(x, sigma, cond):
         with autocast:
-            return transformer(hidden_states=x.to(dtype), timestep=(1000 * sigma).expand(len(x)).to(dtype),
+            return transformer(hidden_states=x.to(dtype), timestep=(1000 * sigma).float().expand(len(x)),
                                encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0].float()
 
     sigmas = flow_grpo.schedule(steps, 3.0, device)
     noise = torch.randn(images, config["in_channels"], side, side, device=device)
+    cond, empty = (embeds, pooled), (embeds * 0, pooled * 0)
     sync(device)
     start = time.time()
-    latents, old_logp = flow_grpo.rollout(velocity, noise, sigmas, (embeds, pooled), (embeds * 0, pooled * 0), 4.5, 0.7)
+    latents, old_logp = flow_grpo.rollout(velocity, noise, sigmas, cond, empty, 4.5, 0.7)
     sync(device)
     rollout_s = time.time() - start
     advantages = torch.randn(images, device=device)
+    loss_args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.0)
     start = time.time()
     for j in range(steps - 1):
-        v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], (embeds, pooled), (embeds * 0, pooled * 0), 4.5)
-        _, logp, _, _ = flow_grpo.sde_step_with_logprob(v, latents[j], sigmas[j], sigmas[j + 1], 0.7, prev_sample=latents[j + 1])
-        loss, _ = common.clipped_policy_loss(logp[:, None], old_logp[j][:, None], advantages, torch.ones(images, 1, device=device), 1e-4)
+        v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], cond, empty, 4.5)
+        loss, _, _ = flow_grpo.step_loss(v, None, latents[j], latents[j + 1], sigmas[j], sigmas[j + 1], old_logp[j],
+                                         advantages, loss_args)
         (loss / (steps - 1)).backward()
     optimizer.step()
     sync(device)
     return {"preset": "sd3.5-medium+lora", "params": params, "images": images, "resolution": resolution,
-            "rollout_images_per_s": round(images / rollout_s, 3), "update_images_per_s": round(images / (time.time() - start), 3)}
+            "precision": str(dtype), "rollout_images_per_s": round(images / rollout_s, 3),
+            "update_images_per_s": round(images / (time.time() - start), 3)}
 
 
 def main():
@@ -131,19 +142,18 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware")
     args = parser.parse_args()
     _, device = common.setup_accelerator("auto")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
         small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=128, vocab_size=512)
-        jobs = [lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device, dtype),
-                lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device, dtype),
+        jobs = [lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device),
+                lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device),
                 lambda: sd3_step(dict(sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
                                       num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-                                      pooled_projection_dim=64, out_channels=4), 4, 2, 3, 16, device, dtype)]
+                                      pooled_projection_dim=64, out_channels=4), 4, 2, 3, 16, device)]
     else:
-        jobs = [lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device, dtype),
-                lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device, dtype),
-                lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device, dtype)]
+        jobs = [lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device),
+                lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device),
+                lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device)]
     for job in jobs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

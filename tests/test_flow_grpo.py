@@ -1,9 +1,11 @@
 """flow_grpo.py: the SDE step on hand-checkable cases, marginal preservation, the toy end to end, tiny SD3."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import common
 import flow_grpo
@@ -107,12 +109,12 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, cache_dir):
     for name in ["a", "b"]:
         summary = flow_grpo.train(toy_args(tmp_path / name, cache_dir, "--epochs", "3", "--eval-every", "2",
                                            "--eval-per-prompt", "4"))
-        assert summary["first_step_ratio_max_dev"] < 1e-6  # ratio = 1 before any update
+        assert summary["sampler_logprob_max_dev"] < 1e-6  # ratio = 1 before any update
         runs.append([{k: v for k, v in json.loads(line).items() if k != "sec"}
                      for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
     assert runs[0] == runs[1] and len(runs[0]) == 3
     for key in ["accuracy_before", "accuracy_after", "reward_before", "reward_after", "diversity_before",
-                "diversity_after", "first_step_ratio_max_dev", "wall_seconds"]:
+                "diversity_after", "sampler_logprob_max_dev", "wall_seconds"]:
         assert key in summary
     assert summary["reward_model_test_accuracy"] >= 0.95
     assert (tmp_path / "b" / "samples.png").stat().st_size > 0
@@ -141,6 +143,7 @@ def sd3_args(tmp_path, tiny, *extra):
         "--preset", "sd3", "--model", str(sd3), "--reward", "clip", "--reward-model", str(clip), "--prompts", str(prompts),
         "--epochs", "2", "--prompts-per-epoch", "2", "--group-size", "2", "--resolution", "16", "--train-steps", "3",
         "--eval-steps", "2", "--eval-per-prompt", "2", "--mixed-precision", "fp32", "--device", "cpu", "--quiet",
+        "--eval-prompts", str(prompts), "--eval-batch", "4", "--no-gradient-checkpointing",
         "--out-dir", str(tmp_path), *extra])
 
 
@@ -148,7 +151,7 @@ def test_sd3_preset_path_with_tiny_components_and_lora_round_trip(tmp_path, tiny
     from diffusers import StableDiffusion3Pipeline
 
     summary = flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--lr", "1e-2"))
-    assert summary["first_step_ratio_max_dev"] < 1e-5
+    assert summary["sampler_logprob_max_dev"] < 1e-5
     assert math.isfinite(summary["reward_after"])
     # the saved LoRA loads with diffusers' standard loader and changes the transformer's output
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0])
@@ -164,23 +167,107 @@ def test_sd3_preset_path_with_tiny_components_and_lora_round_trip(tmp_path, tiny
 def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
-    args = sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4")
-    world = flow_grpo.build_sd3(args, torch.device("cpu"))
+    task = flow_grpo.SD3Task(sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4"), torch.device("cpu"))
     base = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0]).transformer
-    cond = world["encode"](["a red cat"])
+    cond = task.encode(["a red cat"])
     x, sigma = torch.randn(1, 4, 16, 16), torch.tensor(0.5)
     with torch.no_grad():
-        for name, p in world["policy"].named_parameters():
+        for name, p in task.policy.named_parameters():
             if "lora_B" in name:
                 p.add_(0.1)  # move the adapter away from its zero init
-        velocity = world["velocity_of"](world["policy"])
-        policy_v, ref_v = velocity(x, sigma, cond), world["ref_velocity"](x, sigma, cond)
+        policy_v, ref_v = task.velocity(task.policy, x, sigma, cond), task.ref_velocity(x, sigma, cond)
         base_v = base(hidden_states=x, timestep=1000 * sigma[None], encoder_hidden_states=cond[0],
                       pooled_projections=cond[1])[0]
     torch.testing.assert_close(ref_v, base_v)
     assert (policy_v - ref_v).abs().max() > 1e-4
     # and the adapter is back on after the reference pass
-    torch.testing.assert_close(velocity(x, sigma, cond), policy_v)
+    torch.testing.assert_close(task.velocity(task.policy, x, sigma, cond), policy_v)
+
+
+def test_ode_rollout_equals_the_diffusers_pipeline(tmp_path, tiny_sd3):
+    from diffusers import StableDiffusion3Pipeline
+
+    task = flow_grpo.SD3Task(sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4", "--guidance", "4.5"),
+                             torch.device("cpu"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0])
+    noise = torch.randn(2, *task.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond, empty = task.encode(["a red cat", "a dog"]), task.empty(2)
+    latents, _ = flow_grpo.rollout(lambda x, s, c: task.velocity(task.policy, x, s, c), noise,
+                                   flow_grpo.schedule(6, 3.0, torch.device("cpu")), cond, empty, 4.5, 0.0)
+    expected = pipe(prompt_embeds=cond[0], pooled_prompt_embeds=cond[1], negative_prompt_embeds=empty[0],
+                    negative_pooled_prompt_embeds=empty[1], latents=noise.clone(), num_inference_steps=6,
+                    guidance_scale=4.5, output_type="latent").images
+    torch.testing.assert_close(latents[-1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_runs_in_chunks_and_needs_a_held_out_file(tmp_path, tiny_sd3):
+    _, _, prompts = tiny_sd3
+    args = sd3_args(tmp_path, tiny_sd3, "--eval-batch", "2", "--eval-per-prompt", "3")  # 9 images, chunks of 2
+    task = flow_grpo.SD3Task(args, torch.device("cpu"))
+    accelerator, _ = common.setup_accelerator("cpu")
+    seen = []
+    reward = task.reward
+    task.reward = lambda images, batch: seen.append(len(batch)) or reward(images, batch)
+    velocity = lambda x, s, c: task.velocity(task.policy, x, s, c)  # noqa: E731
+    metrics, _ = flow_grpo.evaluate(task, args, velocity, flow_grpo.schedule(2, 3.0, torch.device("cpu")), accelerator)
+    assert seen == [2, 2, 2, 2, 1] and math.isfinite(metrics["reward"])
+    args.eval_prompts = ""
+    with pytest.raises(SystemExit, match="--eval-prompts"):
+        flow_grpo.train(args)
+
+
+def tiny_full_size_transformer():
+    """SD3's latent shape at 512 px (16×64×64, patch 2 → 1024 tokens), small only in width, LoRA on."""
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    net = SD3Transformer2DModel(sample_size=64, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8,
+                                num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=32,
+                                pooled_projection_dim=32, out_channels=16).requires_grad_(False)
+    net.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=flow_grpo.SD3_LORA_TARGETS))
+    for name, p in net.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.02)  # as after some training
+    return net
+
+
+def policy_gradient(net, dtype, j, loss_scale=1.0):
+    """∂L/∂θ_LoRA of the real per-step loss (A = 1, weight 1/(9 steps · 4 rows)), CFG 4.5, at step j."""
+    args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.0)
+    sigmas = flow_grpo.schedule(10, 3.0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(j)
+    x, embeds, pooled = (torch.randn(2, 16, 64, 64, generator=gen), torch.randn(2, 8, 32, generator=gen),
+                         torch.randn(2, 32, generator=gen))
+
+    def velocity(x, sigma, cond):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            return net(hidden_states=x, timestep=(1000 * sigma).expand(len(x)), encoder_hidden_states=cond[0],
+                       pooled_projections=cond[1], return_dict=False)[0].float()
+
+    params = [p for p in net.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    v = flow_grpo.guided_velocity(velocity, x, sigmas[j], (embeds, pooled), (embeds * 0, pooled * 0), 4.5)
+    x_next, old_logp, _, _ = flow_grpo.sde_step_with_logprob(v.detach(), x, sigmas[j], sigmas[j + 1], 0.7,
+                                                             noise=torch.randn(x.shape, generator=gen))
+    loss, _, _ = flow_grpo.step_loss(v, None, x, x_next, sigmas[j], sigmas[j + 1], old_logp, torch.ones(2), args)
+    (loss * loss_scale / 36).backward()
+    return torch.cat([p.grad.flatten() / loss_scale for p in params])
+
+
+def test_bf16_keeps_the_tiny_policy_gradient_that_plain_fp16_loses():
+    net = tiny_full_size_transformer()
+    for j in [0, 4, 8]:  # high → low noise; the gradient is ~1e-9 at step 0
+        exact = policy_gradient(net, torch.float32, j)
+        bf16 = policy_gradient(net, torch.bfloat16, j)
+        fp16 = policy_gradient(net, torch.float16, j)
+        kept = lambda g: ((g != 0) & (exact != 0)).sum() / (exact != 0).sum()  # noqa: E731
+        cosine = lambda g: F.cosine_similarity(g, exact, 0)  # noqa: E731
+        assert kept(bf16) >= 0.95 and cosine(bf16) >= 0.99, j
+        assert kept(fp16) < 0.5 and cosine(fp16) < 0.9, j  # underflow: why fp16 needs loss scaling
+    scaled = policy_gradient(net, torch.float16, 8, loss_scale=2.0**16)  # what GradScaler does
+    assert F.cosine_similarity(scaled, exact, 0) >= 0.99
 
 
 @pytest.mark.parametrize("extra, message", [

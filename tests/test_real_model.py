@@ -86,3 +86,17 @@ def test_agentflow_on_smollm2(smollm2, tmp_path):
     # all (A = 0 and π = π_ref), so the adapter must stay exactly at its start; otherwise it must move.
     assert (lora_b > 0) if step["zero_var_frac"] < 1 else (lora_b == 0 and step["loss"] == 0)
     assert "turn 1:" in (tmp_path / "rollouts.txt").read_text()
+
+
+def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
+    summary = run("rc_grpo.py", tmp_path, "--preset", "bfcl", "--tasks", "multi_turn_base_1,multi_turn_base_49",
+                  "--max-turns", "1", "--docs", "needed", "--steps", "1", "--tasks-per-step", "1", "--group-size", "2",
+                  "--failure-rollouts", "1", "--max-steps", "1", "--max-new-tokens", "16", "--lora-rank", "8",
+                  "--rctp-epochs", "1", "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
+    arm = summary["rctp+rc-grpo"]
+    assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
+    # stage 1 was merged into the weights; the saved stage-2 adapter starts from B = 0
+    adapter = load_file(tmp_path / "rctp+rc-grpo" / "policy" / "adapter_model.safetensors")
+    lora_b = max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k)
+    step = json.loads((tmp_path / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (lora_b > 0) if step["zero_var_frac"] < 1 else lora_b == 0
