@@ -1,7 +1,7 @@
 """AgentFlow's Flow-GRPO: train the planner inside a multi-turn planner/executor/verifier/generator loop.
 
 Paper: "AgentFlow: In-the-Flow Agentic System Optimization for Effective Planning and Tool Use",
-Li et al. 2025, arXiv 2510.05592. Official code: lupantech/AgentFlow. Digest: REFERENCES.md §4.
+Li et al. 2025, arXiv 2510.05592. Official code: lupantech/AgentFlow.
 NOT the image "Flow-GRPO" (Liu et al. 2025, arXiv 2505.05470), which turns a flow-matching ODE into an
 SDE: that algorithm is flow_grpo.py. Same name, unrelated method.
 
@@ -10,18 +10,17 @@ An agentic system answers a query q with a toolset K and an evolving memory M. E
 them into a tool call and runs it; a frozen verifier says STOP or CONTINUE; a frozen generator writes the
 final answer from M. One outcome reward R(τ) judges that answer. Flow-GRPO broadcasts it: every planner
 turn of τ_i becomes an independent single-turn sample carrying the same group-normalised advantage A_i,
-so a multi-turn problem is trained with single-turn GRPO updates (§4.2).
+so a multi-turn problem is trained with single-turn GRPO updates (the Flow-GRPO objective).
 
-Equation map (REFERENCES.md section → function):
-    §4.1  the loop q, K, M → planner → executor → verifier → … → generator       → run_agent, Memory
-    §4.2  A_i = (R_i − mean_G R) / std_G R, shared by every turn of τ_i           → broadcast_advantages
-    §4.2  token-level clipped ratio inside each planner output, minus β·KL (k3)   → common.clipped_policy_loss,
-                                                                                     common.kl_penalty
-    §4.3  a model-written Python tool, sandboxed (subprocess, timeout, limits)    → python_tool
+Equation map (paper → function):
+    the system  q, K, M → planner → executor → verifier → … → generator       → run_agent, Memory
+    Flow-GRPO   A_i = (R_i − mean_G R) / std_G R, shared by every turn of τ_i   → broadcast_advantages
+    Flow-GRPO   token-level clipped ratio in each planner output, minus β·KL    → flow_grpo_loss
+    tools       a model-written Python tool, isolated by the OS                 → python_tool
 
 Deviations (numbered, on purpose):
     1. Turn-samples are averaged token-wise over the whole batch (common `token-mean`, as the official
-       verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as Eq. in §4.2 writes.
+       verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as Eq. in the Flow-GRPO objective writes.
     2. The toy's executor, verifier and generator are deterministic rules (documented at `build_toy`);
        at full scale they are the base model with the LoRA adapter disabled, as the paper's frozen modules.
     3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale: exact/numeric match.
@@ -95,7 +94,7 @@ class Args:
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue each arm from its checkpoint.safetensors"})
 
 
-# Paper setup (REFERENCES.md §4.3): G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
+# Paper setup (AgentFlow's setup): G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
 # temperature 0.7 in training and greedy at evaluation, 3 training turns. Qwen2.5-7B-Instruct with LoRA.
 # The paper's lr 1e-6 is for full fine-tuning; with LoRA it is ×10, the LoRA/full-FT learning-rate ratio measured
 # in "LoRA Without Regret" (Schulman et al., Thinking Machines 2025).
@@ -103,7 +102,7 @@ PRESETS = {"full": dict(model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per
                         inner_steps=1, max_new_tokens=256, temperature=0.7, lr=1e-5, lora_rank=64, ablation=False,
                         eval_every=25, micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)}
 
-# ----------------------------------------------------------------------------- memory and the loop (§4.1)
+# ----------------------------------------------------------------------------- memory and the loop (AgentFlow's system)
 
 
 @dataclasses.dataclass
@@ -117,7 +116,7 @@ class Memory:
 
 
 def run_agent(queries, system, plan, max_turns):
-    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate (§4.1).
+    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate (AgentFlow's system).
 
     `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
     planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler log-probs);
@@ -551,11 +550,11 @@ def build_full(args, device):
                       args.gen_batch, hidden)
 
 
-# ----------------------------------------------------------------------------- the algorithm core (§4.2)
+# ----------------------------------------------------------------------------- the algorithm core (the Flow-GRPO objective)
 
 
 def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4):
-    """Every turn of τ_i gets A_i; A_i = (R_i − mean_G R)/(std_G R + ε) over the query's G rollouts (§4.2).
+    """Every turn of τ_i gets A_i; A_i = (R_i − mean_G R)/(std_G R + ε) over the query's G rollouts (the Flow-GRPO objective).
 
     rewards: (B·G,) trajectory rewards, a query's G rollouts contiguous; turns: planner turns per rollout.
     mode="turn-rows" is the official code's variant: mean and std over all turn rows of the group, so a
@@ -563,7 +562,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     """
     if mode == "trajectory":
         per_trajectory = common.group_advantages(rewards, group_size, eps=eps)
-        return per_trajectory.repeat_interleave(torch.as_tensor(turns))  # §4.2 reward broadcast: A_i on every turn
+        return per_trajectory.repeat_interleave(torch.as_tensor(turns))  # the Flow-GRPO objective reward broadcast: A_i on every turn
     rows = []
     for g in range(0, len(rewards), group_size):
         reps = torch.as_tensor(turns[g:g + group_size])
@@ -575,7 +574,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
 
 
 def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta, token_count):
-    """The Flow-GRPO objective of §4.2 as a loss, per planner token t of every turn-sample:
+    """The Flow-GRPO objective of the Flow-GRPO objective as a loss, per planner token t of every turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts the
@@ -637,7 +636,7 @@ def validate(args):
 
 
 def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerator):
-    """Flow-GRPO on the planner (§4.2): G rollouts per query → broadcast A_i → every planner turn a
+    """Flow-GRPO on the planner (the Flow-GRPO objective): G rollouts per query → broadcast A_i → every planner turn a
     single-turn sample → token-level clipped loss + β·KL. With N processes each rank rolls out its block of
     queries with its own noise; the planner's DDP wrapper averages the gradients."""
     tokenizer, planner = system.tokenizer, system.planner
@@ -663,7 +662,7 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
         if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
             torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
         trajectories = run_agent(queries, system, plan, args.max_turns)
-        # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i (§4.2)
+        # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i (the Flow-GRPO objective)
         rewards = torch.tensor([t["reward"] for t in trajectories])
         turns = [len(t["turns"]) for t in trajectories]
         row_adv = broadcast_advantages(rewards, turns, args.group_size, args.group_norm)  # (Σ T_i,)
@@ -687,7 +686,7 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
                 advantages = torch.tensor([rows[k][1] for k in batch], device=device)
                 with autocast:
                     logp = common.completion_logprobs(train_planner, ids, attn, mask.shape[1], args.temperature)
-                if inner == 0 and step == start:  # not yet updated: training must score what the sampler drew
+                if inner == 0 and step == 1:  # not yet updated: training must score what the sampler drew
                     sampler_dev = max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
                 loss, stats = flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, args.clip_eps,
                                              args.clip_eps_high, args.beta, token_count)

@@ -1,14 +1,13 @@
 """Shared pieces of the four algorithm scripts: group advantages, log-prob utilities, plumbing.
 
-Only what two or more scripts use lives here (STYLE.md habit 5). Equations are REFERENCES.md §0:
+Only what two or more scripts use lives here (STYLE.md habit 5). The equations:
 
-    group_advantages        A_i = (r_i − mean_g r) / (std_g r + ε)                  §0 "group-relative advantage"
+    group_advantages        A_i = (r_i − mean_g r) / (std_g r + ε)                  GRPO "group-relative advantage"
     zero_variance_fraction  share of groups with std_g r = 0 (A ≡ 0, no policy gradient)
     token_logprobs          log π(y_t | y_<t) from logits
     sequence_logprob        log π(y|x) = Σ_t log π(y_t|·)   (optionally ÷ |y|)
-    clipped_policy_loss     −min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A), ρ = exp(logp − old_logp)   §0 "clipped surrogate"
-    kl_penalty              k1 = −d, k2 = d²/2, k3 = e^d − d − 1,  d = log π_ref − log π_θ       §0 "KL to the reference"
-    gaussian_logprob        log N(x; μ, s²I), averaged over the non-batch dims      §1.3
+    kl_penalty              k1 = −d, k2 = d²/2, k3 = e^d − d − 1,  d = log π_ref − log π_θ       GRPO "KL to the reference"
+    gaussian_logprob        log N(x; μ, s²I), averaged over the non-batch dims      Flow-GRPO's averaged log-prob
 
 Plumbing: argument parsing from a dataclass with presets, seeding, device, tiny offline models
 (tokenizer + Qwen2 from a config), loading a hub model with a clear offline error, a run logger
@@ -34,7 +33,7 @@ import torch
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """A_i = (r_i − mean_g) / (std_g + ε) over contiguous groups of `group_size` (REFERENCES.md §0).
+    """A_i = (r_i − mean_g) / (std_g + ε) over contiguous groups of `group_size` (GRPO).
 
     rewards: flat (B·G,) tensor, the G samples of one prompt next to each other.
     scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages match
@@ -62,7 +61,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
 
 def zero_variance_fraction(rewards, group_size):
-    """Share of groups whose G rewards are all equal: those groups give A = 0 (REFERENCES.md §0)."""
+    """Share of groups whose G rewards are all equal: those groups give A = 0 (GRPO)."""
     grouped = rewards.view(-1, group_size)
     return (grouped == grouped[:, :1]).all(dim=1).float().mean().item()
 
@@ -89,7 +88,7 @@ def masked_mean(x, mask, dim=None):
 
 
 def sequence_logprob(token_logp, mask, length_normalize=False):
-    """log π(y|x) = Σ_t log π(y_t|x, y_<t) over masked tokens; ÷|y| when length_normalize (FlowRL §2.2)."""
+    """log π(y|x) = Σ_t log π(y_t|x, y_<t) over masked tokens; ÷|y| when length_normalize (FlowRL's length normalisation)."""
     total = (token_logp * mask).sum(-1)
     return total / mask.sum(-1).clamp(min=1) if length_normalize else total
 
@@ -97,7 +96,7 @@ def sequence_logprob(token_logp, mask, length_normalize=False):
 def gaussian_logprob(x, mean, std):
     """log N(x; mean, std²·I) per element, **averaged** over all non-batch dims → (B,).
 
-    Averaging (the official Flow-GRPO choice, inherited from DDPO; REFERENCES.md §1.3) makes the ratio a
+    Averaging (the official Flow-GRPO choice, inherited from DDPO; Flow-GRPO's averaged log-prob) makes the ratio a
     per-dimension geometric mean, so a sensible clip range is tiny (1e-4 for SD3, not 0.2); summing over
     64×64×16 latent dims gives ratios that overflow (official issue #143).
     """
@@ -248,46 +247,11 @@ def reference_logprobs(model, reference, input_ids, attention_mask, completion_l
         return completion_logprobs(model, input_ids, attention_mask, completion_len, temperature)
 
 
-# ----------------------------------------------------------------------------- the GRPO objective
-
-
-def clipped_policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_high=None,
-                        aggregate="token-mean"):
-    """L = −min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A), ρ = exp(logp − old_logp)  (REFERENCES.md §0).
-
-    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T).
-    aggregate="token-mean": mean over every unmasked token of the batch (verl, DAPO, TRL's default);
-    "seq-mean": mean over each sequence's tokens, then over sequences (the original GRPO).
-    Returns (loss, stats) with the clip fraction, ratio mean/max and approx_kl = mean(old_logp − logp).
-    """
-    if clip_eps <= 0:
-        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    if aggregate == "token-mean":
-        loss = masked_mean(per_token, mask)
-    elif aggregate == "seq-mean":
-        loss = masked_mean(per_token, mask, dim=-1).mean()
-    else:
-        raise ValueError(f"aggregate must be 'token-mean' or 'seq-mean', got {aggregate!r}")
-    with torch.no_grad():
-        m = mask.bool()
-        stats = {
-            "clipfrac": masked_mean((clipped < unclipped).float(), mask).item(),
-            "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
-            "ratio_max": ratio[m].max().item() if m.any() else 1.0,
-            "approx_kl": masked_mean(old_logp - logp, mask).item(),
-        }
-    return loss, stats
+# ----------------------------------------------------------------------------- the KL term
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):
-    """Per-token KL(π_θ‖π_ref) estimate with d = log π_ref − log π_θ (REFERENCES.md §0; Schulman 2020).
+    """Per-token KL(π_θ‖π_ref) estimate with d = log π_ref − log π_θ (GRPO; Schulman 2020).
 
     k1 = −d (unbiased, can be negative); k2 = d²/2; k3 = e^d − d − 1 (≥ 0, unbiased under y ~ π_θ).
     """
@@ -355,7 +319,7 @@ def seed_everything(seed):
 
 def setup_accelerator(device_name="auto"):
     """Accelerate's process state → (accelerator, device). One process normally; under `accelerate launch`
-    or `torchrun`, one process per device joined by DDP (the official Flow-GRPO uses Accelerate DDP, §1.6).
+    or `torchrun`, one process per device joined by DDP (the official Flow-GRPO uses Accelerate DDP, the official Flow-GRPO code).
     device_name "cpu" forces the CPU (gloo); "auto" takes cuda:<local rank>, mps or cpu."""
     from accelerate import Accelerator
 
@@ -365,7 +329,7 @@ def setup_accelerator(device_name="auto"):
 
 def local_groups(num_groups, accelerator):
     """This rank's contiguous block of the step's groups: range(lo, hi). Every member of a group lands on
-    the same rank, so its advantage (REFERENCES.md §0) is computed from the whole group there, as in one process."""
+    the same rank, so its advantage (GRPO) is computed from the whole group there, as in one process."""
     world, rank = accelerator.num_processes, accelerator.process_index
     if num_groups % world:
         raise SystemExit(f"error: {num_groups} groups per step do not split evenly over {world} processes")

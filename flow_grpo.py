@@ -553,13 +553,14 @@ def validate(args):
 
 @torch.no_grad()
 def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
-    """ODE sampling at eval_steps from fixed noise, in chunks of --eval-batch, every rank a share of the
-    prompts; images go to the CPU as they are scored. Reward, and on the toy accuracy and diversity."""
+    """ODE sampling at eval_steps from fixed noise, in chunks of --eval-batch; images go to the CPU as
+    they are scored. Reward, and on the toy accuracy and diversity."""
     prompts = task.eval_prompts[:args.eval_max_prompts or None]
     prompts = [p for p in prompts for _ in range(args.eval_per_prompt)]
     noise = torch.randn((len(prompts), *task.latent_shape), generator=torch.Generator().manual_seed(args.seed + 1))
-    rank, world = accelerator.process_index, accelerator.num_processes
-    scores, images = [], []
+    # each rank a share of the chunks; the toy (which keeps every image for its metrics) runs whole on each
+    rank, world = (0, 1) if keep_images else (accelerator.process_index, accelerator.num_processes)
+    scores, images = [torch.zeros(0)], []
     for lo in range(rank * args.eval_batch, len(prompts), world * args.eval_batch):
         batch = prompts[lo:lo + args.eval_batch]
         latents, _ = rollout(velocity, noise[lo:lo + len(batch)].to(accelerator.device), sigmas, task.encode(batch),

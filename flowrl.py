@@ -1,18 +1,18 @@
 """FlowRL: matching the reward distribution with trajectory balance and a learned log Z(x).
 
 Paper: "FlowRL: Matching Reward Distributions for LLM Reasoning", Zhu et al. 2025, arXiv 2509.15207.
-Official code: Xuekai-Zhu/FlowRL (a verl fork). Digest: REFERENCES.md §2.
+Official code: Xuekai-Zhu/FlowRL (a verl fork).
 
 Reward maximisers (PPO, GRPO) pile their mass onto the single best mode. FlowRL instead fits the target
 p*(y|x) ∝ π_ref(y|x)·exp(β·r(x,y)) by minimising KL(π_θ‖p*); in expected gradient that KL equals the
-GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) is a small learned head (§2.1).
+GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) is a small learned head (FlowRL's target, Proposition 1).
 
-Equation map (REFERENCES.md section → function):
-    §2.2 TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)²   → trajectory_balance_loss
-    §2.2 w        clip(π_θ/π_old, 1−ε, 1+ε), detached                         → importance_weight
-    §2.3 log Z    3-layer MLP on the mean-pooled prompt hidden state           → LogZHead
-    §2.1 p*       π_ref·exp(β·r), exact on the toy by enumeration              → exact_metrics
-    §0   GRPO     the baseline (`--algo grpo`), common.clipped_policy_loss     → train
+Equation map (paper → function):
+    TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)²   → trajectory_balance_loss
+    w        clip(π_θ/π_old, 1−ε, 1+ε), detached                         → importance_weight
+    log Z    3-layer MLP on the mean-pooled prompt hidden state           → LogZHead
+    p*       π_ref·exp(β·r), exact on the toy by enumeration              → exact_metrics
+    GRPO     −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), the baseline (`--algo grpo`)     → grpo_loss
 
 Deviations (numbered, on purpose):
     1. The toy uses the raw reward (`--reward-norm none`) so p* is exactly defined; the paper's r̂ is the
@@ -20,8 +20,8 @@ Deviations (numbered, on purpose):
     2. w clips the sequence ratio to [1−ε, 1+ε] as the paper writes; the original code used it unclipped
        (its clipped copy was unused, issues #14/#15). Clipping bounds the weight of stale samples.
     3. With length-normalised log-probs the TB fixed point is π ∝ π_ref·exp(β·|y|·r); the toy's responses
-       all have |y| = 3, so its exact target uses β·|y| (the same family as §2.1, with a rescaled β).
-    4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (§2.3).
+       all have |y| = 3, so its exact target uses β·|y| (the same family as FlowRL's target, Proposition 1, with a rescaled β).
+    4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (FlowRL's log Z head).
     5. The toy samples G = 64 per prompt (paper: 8). TB's gradient is −β∇E[r] + ∇KL(π‖π_ref)/|y|: the KL
        part pulls toward π_ref on every sample while the reward part speaks only on rare hits, so with
        G = 16 the sampled gradient is noise-dominated and the policy does not move in 300 steps (measured);
@@ -82,7 +82,7 @@ class Args:
     save_every: int = dataclasses.field(default=50, metadata={"help": "steps between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
-# Paper recipe (REFERENCES.md §2.2–§2.4): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
+# Paper recipe (FlowRL's practical loss): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
 # rollouts and 0.6 for Avg@16. 8k-token responses do not fit one GPU with 8 samples; 1024 here.
 # With inner_steps = 1 every sample is on-policy, so w ≡ 1: the clip matters only with --inner-steps > 1.
 PRESETS = {"full": dict(model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8, group_size=8,
@@ -129,7 +129,7 @@ def build_toy(args):
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 def math_reward(text, answer):
-    """1 if the completion's final answer equals the reference, else 0 (§2.4), by HF's math-verify: the last
+    """1 if the completion's final answer equals the reference, else 0 (FlowRL's setup), by HF's math-verify: the last
     \\boxed{} (or final expression) of the text, compared symbolically (fractions, LaTeX, units, sets)."""
     from math_verify import parse, verify
 
@@ -174,7 +174,7 @@ def build_full(args, device):
 # ----------------------------------------------------------------------------- the algorithm
 
 class LogZHead(nn.Module):
-    """log Z_φ(x): Linear–GELU–LayerNorm–Dropout(0.1) twice, then Linear → 1 (REFERENCES.md §2.3).
+    """log Z_φ(x): Linear–GELU–LayerNorm–Dropout(0.1) twice, then Linear → 1 (FlowRL's log Z head).
 
     Input: the policy's last hidden state mean-pooled over the prompt tokens, so Z(x) is conditioned
     on the prompt and (unless detached) its gradient shapes the shared backbone.
@@ -190,21 +190,21 @@ class LogZHead(nn.Module):
         return self.net(pooled.float()).squeeze(-1)
 
 def importance_weight(logp_sum, old_logp_sum, clip_eps):
-    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (§2.2; DEVIATION 2)."""
+    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (FlowRL's practical loss; DEVIATION 2)."""
     return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
 
 def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_rows=None):
-    """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (§2.2)
+    """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (FlowRL's practical loss)
 
     logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); weight: w (B,).
     N = num_rows (the whole step's rows, so micro-batches add up to the step's mean; default B).
     Returns (loss, residual). At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its normaliser.
     """
-    residual = log_z + logp - beta * reward - ref_logp  # §2.2 the TB residual
+    residual = log_z + logp - beta * reward - ref_logp  # the TB residual
     return (weight * residual**2).sum() / (num_rows or len(residual)), residual
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
-    """The baseline's clipped surrogate (§0): L = −Σ_t min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) / N_tokens.
+    """The baseline's clipped surrogate (GRPO): L = −Σ_t min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) / N_tokens.
 
     ρ_t = exp(logp − old_logp) per token; N_tokens counts the step's completion tokens (token-mean), so
     micro-batches add up to the one-shot loss. Returns (loss, stats)."""
@@ -247,7 +247,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
 
 @torch.no_grad()
 def avg_at_k(model, tokenizer, eval_rows, args):
-    """Avg@k: mean reward of k samples per eval question at the eval temperature (§2.4)."""
+    """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's setup)."""
     prompts = [prompt for prompt, _ in eval_rows for _ in range(args.eval_k)]
     answers = [answer for _, answer in eval_rows for _ in range(args.eval_k)]
     samples = common.sample_completions(model, tokenizer, prompts, args.max_new_tokens, args.eval_temperature,
@@ -291,7 +291,7 @@ def train(args):
     tokenizer, model, task = build_full(args, device) if args.model else build_toy(args)
     model.to(device)
     toy = task["answers"] is None
-    # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (§2.2).
+    # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (FlowRL's practical loss).
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     head = LogZHead(model.config.hidden_size).to(device)
     groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
@@ -334,7 +334,7 @@ def train(args):
         prompts = [task["prompts"][i] for i in idx]
         samples = sample_groups(model, tokenizer, [task["prompts"][i] for i in picked], args.group_size, seeds,
                                 args, stop_at_eos=not toy)
-        # 2. rewards r, and r̂ = the group-normalised reward (§2.2) or r itself (DEVIATION 1)
+        # 2. rewards r, and r̂ = the group-normalised reward (FlowRL's practical loss) or r itself (DEVIATION 1)
         rewards = torch.tensor([task["reward"](i, text) for i, (text, _, _) in zip(idx, samples)])
         advantages = common.group_advantages(rewards, args.group_size).to(device)
         reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)
@@ -364,7 +364,7 @@ def train(args):
                 if args.algo == "flowrl":
                     plen = ids.shape[1] - mask.shape[1]
                     prompt_hidden = hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen]
-                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # §2.3 log Z_φ(x)
+                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # FlowRL's log Z head log Z_φ(x)
                     weight = importance_weight(common.sequence_logprob(logp, mask),
                                                common.sequence_logprob(old_logp, mask), args.clip_eps)
                     loss, residual = trajectory_balance_loss(
@@ -410,7 +410,7 @@ def train(args):
              ("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")] if toy else \
             [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if not toy and accelerator.is_main_process:
-        model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (§2.3)
+        model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (FlowRL's log Z head)
         tokenizer.save_pretrained(out_dir / "policy")
     return logger.finish(summary, plots)
 

@@ -1,29 +1,29 @@
 """RC-GRPO: reward-conditioned fine-tuning, then GRPO with sampled reward tokens, for multi-turn tool calling.
 
 Paper: "Reward-Conditioned Group Relative Policy Optimization for multi-turn tool calling", Zhong et al.
-2026, arXiv 2602.03025 (no official code). Digest: REFERENCES.md §3. Environment: the real BFCL v4
+2026, arXiv 2602.03025 (no official code). Environment: the real BFCL v4
 multi-turn data and backends from the `bfcl-eval` package, executed without eval/exec.
 
 After SFT on expert demonstrations a policy is peaked: a task's G rollouts all succeed or all fail, the
-group's reward std is 0, A = 0, and GRPO stops learning ("paradox of perfection", §3.1). RC-GRPO first
+group's reward std is 0, A = 0, and GRPO stops learning ("paradox of perfection", RC-GRPO, Prop. 4.3). RC-GRPO first
 fine-tunes on expert *and* failed trajectories, each tagged in the first user message with
-`[Reward Goal: <|high_reward|>]` or `<|low_reward|>` (RCTP-FT, §3.2). Then each GRPO rollout draws its own
-token (P(high) = p): the low-token rollouts behave differently, so groups keep their variance (§3.3,
+`[Reward Goal: <|high_reward|>]` or `<|low_reward|>` (RCTP-FT). Then each GRPO rollout draws its own
+token (P(high) = p): the low-token rollouts behave differently, so groups keep their variance (RC-GRPO stage 2,
 Prop. 4.3: E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε²). Inference uses the high token.
 
-Equation map (REFERENCES.md section → function):
-    §3.2  RCTP data: expert (high) + failures (low), 1:1, token appended to the first user message
-                                                                  → build_rctp_data, add_reward_token
-    §3.2  max-likelihood of assistant tokens only                 → supervised_finetune
-    §3.3  r_j ~ Bernoulli(p) i.i.d. per rollout                    → sample_reward_tokens
-    §3.3  one group per task across tokens; clipped ratio, k3 KL   → common.group_advantages,
-                                                                     common.clipped_policy_loss, common.kl_penalty
-    §3.4  R = R_state · R_action                                   → trajectory_reward
-    BFCL  the official checker's semantics (per-turn state + results) → bfcl_check
-    §3.7  calls parsed with ast, literal arguments only            → parse_calls, BFCLEnv
+Equation map (paper → function):
+    stage 1  RCTP data: expert (high) + failures (low), 1:1, the token at the end of the first user message
+                                                                       → build_rctp_data, add_reward_token
+    stage 1  max-likelihood of the assistant tokens only                → supervised_finetune
+    stage 2  r_j ~ Bernoulli(p) i.i.d. per rollout                      → sample_reward_tokens
+    stage 2  one group per task across tokens                           → common.group_advantages
+    stage 2  −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL (k3), per token       → rc_grpo_loss
+    reward   R = R_state · R_action                                     → trajectory_reward
+    BFCL     the official checker's semantics (per-turn state + results) → bfcl_check
+    BFCL     calls parsed with ast, literal arguments only              → parse_calls, BFCLEnv
 
 Deviations (numbered, on purpose):
-    1. Model output is never eval'd (the official harness does, §3.7): `parse_calls` accepts only
+    1. Model output is never eval'd (the official harness does, BFCL's protocol): `parse_calls` accepts only
        `[f(literal, k=literal), ...]` and `BFCLEnv` dispatches to public methods of fresh instances.
     2. Train/test split by id (`id % 10 == 9` → test, 20 per category = 80); the paper's per-category counts
        (18/23/17/22) come from a split it does not publish.
@@ -112,7 +112,7 @@ class Args:
         "help": "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)"})
 
 
-# Paper recipe (§3.2–§3.3): G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
+# Paper recipe (RCTP-FT): G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
 # Qwen2.5-7B-Instruct. The paper's lr (1e-6 RL, 1e-5 stage 1) is for full fine-tuning; with LoRA (so that one GPU
 # holds policy and reference) both are ×10, the LoRA/full-FT learning-rate ratio measured in "LoRA Without
 # Regret" (Schulman et al., Thinking Machines 2025). BFCL prompts are ~5k tokens: three rows per micro-batch.
@@ -221,7 +221,7 @@ class BFCLEnv:
     """Fresh backend instances for one entry; calls dispatch only to allow-listed public methods.
 
     Every instance is built from a deep copy of the entry's `initial_config`, so parallel rollouts of one
-    task never share state (the official harness caches instances in module globals, §3.7).
+    task never share state (the official harness caches instances in module globals, BFCL's protocol).
     """
 
     def __init__(self, entry):
@@ -355,14 +355,14 @@ def replay(entry, calls_per_turn, on_turn=None):
 
 
 def trajectory_reward(entry, calls_per_turn):
-    """R = R_state · R_action ∈ {0, 1}  (§3.4).
+    """R = R_state · R_action ∈ {0, 1}  (RC-GRPO's reward).
 
     R_state: the final state equals the ground truth's final state. R_action: every ground-truth call
     appears among the agent's calls with the same name and the same values for the ground truth's
     arguments (extra arguments allowed, order ignored, each agent call used once).
     """
     env, truth_env = replay(entry, calls_per_turn), replay(entry, entry["ground_truth"])
-    if env.state() != truth_env.state():  # §3.4 R_state
+    if env.state() != truth_env.state():  # RC-GRPO's reward R_state
         return 0.0
     made = []
     for calls in calls_per_turn:
@@ -371,7 +371,7 @@ def trajectory_reward(entry, calls_per_turn):
                 made += [(n, env.bound_arguments(n, a, k)) for n, a, k in parse_calls(call)]
             except ValueError:
                 continue
-    for calls in entry["ground_truth"]:  # §3.4 R_action: every ground-truth call, matched once
+    for calls in entry["ground_truth"]:  # RC-GRPO's reward R_action: every ground-truth call, matched once
         for name, args, kwargs in (c for call in calls for c in parse_calls(call)):
             want = truth_env.bound_arguments(name, args, kwargs)
             match = next((m for m in made if m[0] == name and all(k in m[1] and m[1][k] == v for k, v in want.items())), None)
@@ -576,8 +576,8 @@ def observation(world, text):
 
 
 def add_reward_token(content, token):
-    """The first user message + `[Reward Goal: <|…|>]` (§3.2); token None = no conditioning."""
-    return content if token is None else f"{content} [Reward Goal: {token}]"  # §3.2
+    """The first user message + `[Reward Goal: <|…|>]` (RCTP-FT); token None = no conditioning."""
+    return content if token is None else f"{content} [Reward Goal: {token}]"  # RCTP-FT
 
 
 def user_messages(world, entry, turn, token, env):
@@ -670,7 +670,7 @@ def trajectory_samples(world, entry, token, steps_per_turn):
 
 
 def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget):
-    """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1 (§3.2).
+    """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1 (RCTP-FT).
     Each batch of `batch` samples is one optimiser step, accumulated over token-bounded micro-batches."""
     model, tokenizer = world.model, world.tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -697,7 +697,7 @@ def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget):
 
 def build_rctp_data(world, entries, args):
     """Expert trajectories (ground truth, <|high_reward|>) and the base model's failures (R = 0,
-    <|low_reward|>), 1:1 (§3.2). Failures are collected `args.gen_batch` rollouts at a time.
+    <|low_reward|>), 1:1 (RCTP-FT). Failures are collected `args.gen_batch` rollouts at a time.
     Returns (samples, number of failures found)."""
     repeated = [e for e in entries for _ in range(args.failure_rollouts)]
     rollouts = []
@@ -715,17 +715,17 @@ def build_rctp_data(world, entries, args):
     return samples, len(failures)
 
 
-# ----------------------------------------------------------------------------- the algorithm core (§3.3)
+# ----------------------------------------------------------------------------- the algorithm core (RC-GRPO stage 2)
 
 
 def sample_reward_tokens(n, p, generator):
-    """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (§3.3)."""
+    """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (RC-GRPO stage 2)."""
     draws = torch.rand(n, generator=generator) < p
-    return [HIGH if d else LOW for d in draws.tolist()]  # §3.3 r_j ~ Bernoulli(p), i.i.d.
+    return [HIGH if d else LOW for d in draws.tolist()]  # RC-GRPO stage 2 r_j ~ Bernoulli(p), i.i.d.
 
 
 def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, token_count):
-    """L = Σ_t [−min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) + β·KL_t] / N_tokens, ρ_t = π_θ/π_old per token  (§3.3).
+    """L = Σ_t [−min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) + β·KL_t] / N_tokens, ρ_t = π_θ/π_old per token  (RC-GRPO stage 2).
 
     Every term is conditioned on the rollout's own reward token (it sits in the prompt, never scored).
     KL_t is k3 to π_ref, the stage-1 model. N_tokens counts the step's completion tokens, so micro-batches
@@ -749,7 +749,7 @@ def evaluate(world, entries, token, args):
 
 def grpo_arm(args, world, train_model, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed (GRPO),
-    one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (§3.3).
+    one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token (RC-GRPO stage 2).
     π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1 weights with the new adapter off.
     With N processes each rank rolls out its block of tasks with its own noise (DDP averages gradients)."""
     model, tokenizer = world.model, world.tokenizer
@@ -776,10 +776,10 @@ def grpo_arm(args, world, train_model, name, use_tokens, reward_conditioned, log
         tokens = tokens[local]
         if accelerator.num_processes > 1:  # generate's noise: each rank its own (one process keeps its stream)
             torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
-        # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action (§3.4)
+        # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action (RC-GRPO's reward)
         runs = run_rollouts(world, entries, tokens, args.temperature, args)
         rewards = torch.tensor([r["reward"] for r in runs])
-        # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(std_g R + ε)  (§3.3)
+        # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(std_g R + ε)  (RC-GRPO stage 2)
         advantages = common.group_advantages(rewards, args.group_size).tolist()
         rows = [(s, a) for r, a in zip(runs, advantages) for s in r["steps"]]  # each model step, its A
         prompts, completions = [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows]
@@ -796,7 +796,7 @@ def grpo_arm(args, world, train_model, name, use_tokens, reward_conditioned, log
                 ref_logp = common.reference_logprobs(model, reference, ids, attn, mask.shape[1], args.temperature)
                 logp = common.completion_logprobs(train_model, ids, attn, mask.shape[1], args.temperature)
             sampler_dev = max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item()) \
-                if step == start else sampler_dev
+                if step == 1 else sampler_dev
             loss, stats = rc_grpo_loss(logp, old_logp, ref_logp, batch_adv, mask, args.clip_eps, args.beta,
                                        token_count)
             if not torch.isfinite(loss):

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import flowrl  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 PROMPTS = [" ".join(WORDS[(7 * i + j) % 60] for j in range(8)) for i in range(8)]
@@ -40,15 +41,14 @@ def ours(hidden):
     times = []
     for _ in range(STEPS + 1):
         start = time.time()
-        model.eval()
-        with torch.no_grad():
-            seq, attn, mask, plen = common.sample_completions(model, tokenizer, prompts, NEW_TOKENS)
-            rewards = torch.tensor(reward(tokenizer.batch_decode(seq[:, plen:] * mask, skip_special_tokens=True)))
+        samples = common.sample_completions(model, tokenizer, prompts, NEW_TOKENS)
+        rewards = torch.tensor(reward([text for text, _, _ in samples]))
+        ids, attn, mask = common.pack_completions(tokenizer, prompts, [s[1] for s in samples], model.device)
         model.train()
-        logp = common.completion_logprobs(model, seq, attn)[:, plen - 1:]
+        logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
         # One update per batch: the sampling policy is the current one, so old_logp = logp.detach() (ratio ≡ 1,
         # the same gradient) and no separate no-grad scoring pass is needed; TRL does the same.
-        loss, _ = common.clipped_policy_loss(logp, logp.detach(), common.group_advantages(rewards, GROUP), mask.float())
+        loss, _ = flowrl.grpo_loss(logp, logp.detach(), common.group_advantages(rewards, GROUP), mask, 0.2, mask.sum())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

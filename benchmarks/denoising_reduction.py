@@ -1,4 +1,4 @@
-"""Denoising reduction (Flow-GRPO §1.5): cost of one training epoch at 10 vs 40 rollout steps, and its split.
+"""Denoising reduction (Flow-GRPO Flow-GRPO's denoising reduction): cost of one training epoch at 10 vs 40 rollout steps, and its split.
 
     python benchmarks/denoising_reduction.py            # toy, CPU; prints per-epoch times, ratio and split
 

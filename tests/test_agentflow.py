@@ -1,8 +1,6 @@
 """agentflow.py: reward broadcast, batching of rollouts of different lengths, the loop's control flow,
 the sandboxed Python tool, the toy end to end and the full-scale path with a tiny random planner."""
 import json
-import os
-import time
 
 import pytest
 import torch
@@ -134,7 +132,7 @@ def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
         "--eval-data", str(tmp_path / "qa.jsonl"), "--corpus", str(tmp_path / "corpus.jsonl"), "--steps", "1",
         "--queries-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--lora-rank", "4",
         "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
-    assert args.lr == 1e-5 and args.beta == 0.001 and args.clip_eps_high == 0.3  # §4.3; LoRA lr = 10 × 1e-6
+    assert args.lr == 1e-5 and args.beta == 0.001 and args.clip_eps_high == 0.3  # AgentFlow's setup; LoRA lr = 10 × 1e-6
     summary = agentflow.train(args)
     assert summary["sampler_logprob_max_dev"] < 1e-3 and 0 <= summary["accuracy_after"] <= 1
     assert (tmp_path / "run" / "planner" / "adapter_config.json").exists()

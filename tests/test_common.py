@@ -64,35 +64,70 @@ def test_gaussian_logprob_equals_normal_log_prob_averaged():
     torch.testing.assert_close(common.gaussian_logprob(x, mean, 0.3), ref)
 
 
-def test_clipped_loss_at_ratio_one_is_minus_advantage():
+def script_losses():
+    """Each script writes its own clipped surrogate in place; here the three LLM ones, as (logp, old, A, mask) → loss."""
+    import agentflow
+    import flowrl
+    import rc_grpo
+
+    return {
+        "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(lp, old, adv, m, eps, m.sum()),
+        "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(lp, old, lp.detach(), adv, m,
+                                                                                     eps, 0.0, m.sum()),
+        "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
+            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()),
+    }
+
+
+@pytest.mark.parametrize("name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
-    loss, stats = common.clipped_policy_loss(logp, logp.detach(), adv, torch.ones(2, 2))
+    loss, stats = script_losses()[name](logp, logp.detach(), adv, torch.ones(2, 2))
     assert loss.item() == pytest.approx(-(2 + 2 - 1 - 1) / 4)
-    assert stats["ratio_mean"] == 1.0 and stats["clipfrac"] == 0.0
+    assert stats["clipfrac"] == 0.0
     loss.backward()  # d(−ρA)/dlogp = −A·ρ/4 at ρ = 1
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
 
 
-def test_clipped_loss_gradient_vanishes_where_clip_binds():
-    old = torch.zeros(1, 4)
+@pytest.mark.parametrize("name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+def test_clipped_loss_gradient_vanishes_where_clip_binds(name):
+    old = torch.zeros(4, 1)
     # ratios 1.5 (A>0: clipped), 0.5 (A>0: not clipped), 1.5 (A<0: not clipped), 0.5 (A<0: clipped)
-    logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
-    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    loss, stats = common.clipped_policy_loss(logp, old, adv, torch.ones(1, 4), clip_eps=0.2)
+    logp = torch.log(torch.tensor([[1.5], [0.5], [1.5], [0.5]])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, stats = script_losses()[name](logp, old, adv, torch.ones(4, 1))
     loss.backward()
-    assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
-    assert logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
+    assert logp.grad[0, 0] == 0 and logp.grad[3, 0] == 0
+    assert logp.grad[1, 0] != 0 and logp.grad[2, 0] != 0
     assert stats["clipfrac"] == 0.5
 
 
-def test_seq_mean_differs_from_token_mean_on_ragged_masks():
-    logp = torch.zeros(2, 3)
-    adv = torch.tensor([1.0, -1.0])
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    tok, _ = common.clipped_policy_loss(logp, logp, adv, mask, aggregate="token-mean")
-    seq, _ = common.clipped_policy_loss(logp, logp, adv, mask, aggregate="seq-mean")
-    assert tok.item() == pytest.approx(-(3 - 1) / 4) and seq.item() == pytest.approx(0.0)
+def test_token_mean_over_micro_batches_equals_the_one_shot_gradient():
+    import flowrl
+
+    torch.manual_seed(0)
+    logp = torch.randn(6, 5, requires_grad=True)
+    old, adv = logp.detach() + 0.1 * torch.randn(6, 5), torch.randn(6)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    loss, _ = flowrl.grpo_loss(logp, old, adv, mask, 0.2, mask.sum())
+    (one_shot,) = torch.autograd.grad(loss, logp)
+    accumulated = torch.zeros_like(logp)
+    for rows in ([0, 1], [2, 3, 4], [5]):  # micro-batches normalised by the step's token count
+        part, _ = flowrl.grpo_loss(logp[rows], old[rows], adv[rows], mask[rows], 0.2, mask.sum())
+        accumulated += torch.autograd.grad(part, logp)[0]
+    torch.testing.assert_close(accumulated, one_shot)
+
+
+def test_micro_batches_stay_within_the_token_budget():
+    tok = common.make_tokenizer(list("abcdef"))
+    prompts = ["a b", "a b c d e f", "c", "d e", "f"]
+    completions = [[1, 2], [3], [4, 5, 6], [1], [2, 3, 4, 5]]
+    batches = common.micro_batches(tok, prompts, completions, token_budget=8)
+    assert sorted(r for b in batches for r in b) == list(range(5))
+    for rows in batches:
+        longest = max(len(prompts[r].split()) + len(completions[r]) for r in rows)
+        assert len(rows) == 1 or len(rows) * longest <= 8
 
 
 def test_k3_nonnegative_zero_at_equality_and_unbiased():
@@ -153,7 +188,7 @@ def test_completion_logprobs_match_generate_scores_under_left_padding():
     seq = out.sequences
     mask = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1)
     with torch.no_grad():
-        logp = common.completion_logprobs(model, seq, mask)[:, -4:]
+        logp = common.completion_logprobs(model, seq, mask, 4)
     gen_logp = torch.stack([torch.log_softmax(s, -1).gather(-1, seq[:, -4 + i, None]).squeeze(-1)
                             for i, s in enumerate(out.scores)], 1)
     torch.testing.assert_close(logp, gen_logp, atol=1e-4, rtol=0)
@@ -179,4 +214,4 @@ def test_parse_args_presets_and_errors():
 
 def test_load_causal_lm_offline_error_points_at_toy():
     with pytest.raises(SystemExit, match="--preset toy"):
-        common.load_causal_lm("no-such-org/no-such-model-xyz")
+        common.load_causal_lm("no-such-org/no-such-model-xyz", torch.device("cpu"))

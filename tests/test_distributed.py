@@ -56,7 +56,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, 
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks' parameters drifted apart"
     module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
     args = common.parse_args(module.Args, module.PRESETS, flags[1:])
-    initial = flowrl.build_toy(args)[1] if module is flowrl else flow_grpo.build_toy(args, torch.device("cpu"))["policy"]
+    initial = flowrl.build_toy(args)[1] if module is flowrl else flow_grpo.DigitsTask(args, torch.device("cpu")).policy
     moved = distance(one, [p.detach() for p in initial.parameters() if p.requires_grad])
     assert moved > 1e-2, "training did not change the parameters; the comparison would be empty"
     assert distance(one, rank0) < 1e-4 * moved

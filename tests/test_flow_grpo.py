@@ -47,7 +47,7 @@ def test_sde_step_hand_numbers_and_the_t_equals_one_substitution():
     # t = 0.5, dt = −0.1, a = 1: σ_t² = 1, mean = 1 + (2 + 1·(1 + 0.5·2)/(2·0.5))·(−0.1) = 1 − 0.4 = 0.6
     _, _, mean, std = flow_grpo.sde_step_with_logprob(v, x, 0.5, 0.4, noise_level=1.0)
     assert mean.item() == pytest.approx(0.6) and std == pytest.approx(math.sqrt(0.1))
-    # t = 1 would divide by zero: σ_t uses 1 − sigma_next there (§1.2), so the step is finite
+    # t = 1 would divide by zero: σ_t uses 1 − sigma_next there (Eqs. 7–9), so the step is finite
     _, log_prob, mean, std = flow_grpo.sde_step_with_logprob(v, x, 1.0, 0.9, noise_level=0.7)
     assert std == pytest.approx(0.7 * math.sqrt(1 / 0.1) * math.sqrt(0.1)) and torch.isfinite(log_prob).all()
 

@@ -115,7 +115,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
         "--preset", "full", "--model", str(tmp_path / "tiny"), "--data", "tests/data/math_tiny.jsonl",
         "--eval-data", "tests/data/math_tiny.jsonl", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
         "--max-new-tokens", "6", "--eval-k", "2", "--quiet", "--out-dir", str(tmp_path / "run"), "--device", "cpu"])
-    assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6  # paper defaults (§2.2–§2.4)
+    assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6  # FlowRL's paper defaults
     summary = flowrl.train(args)
     assert "avg_at_k" in summary and summary["sampler_logprob_max_dev"] < 1e-3
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")  # loads without the log Z head

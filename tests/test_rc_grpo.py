@@ -201,7 +201,7 @@ def test_reward_tokens_are_iid_with_probability_p():
 
 
 def test_variance_bound_of_proposition_4_3_holds_in_simulation():
-    # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (REFERENCES.md §3.1)
+    # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (RC-GRPO, Prop. 4.3)
     gen = torch.Generator().manual_seed(0)
     G, p, s_high, s_low = 5, 0.5, 0.9, 0.3
     high = torch.rand(200000, G, generator=gen) < p

@@ -20,8 +20,9 @@ def metrics(folder):
 
 
 def summary(folder):
-    def strip(value):  # wall-clock times differ; everything else must not
-        return {k: strip(v) for k, v in value.items() if k != "wall_seconds"} if isinstance(value, dict) else value
+    def strip(value):  # wall-clock times and peak memory differ; everything else must not
+        return ({k: strip(v) for k, v in value.items() if k not in ("wall_seconds", "peak_rss_mb")}
+                if isinstance(value, dict) else value)
     return strip(json.loads((folder / "summary.json").read_text()))
 
 

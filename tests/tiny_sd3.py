@@ -1,6 +1,6 @@
 """Tiny random SD3 pipeline and CLIP reward, saved to a folder: the full-scale classes at toy size, offline.
 
-Shapes follow diffusers' own SD3 tests (REFERENCES.md §1.9). The tokenizers are a CLIPTokenizer over
+Shapes follow diffusers' own SD3 tests (diffusers' own SD3 tests). The tokenizers are a CLIPTokenizer over
 single letters written on the spot, so nothing is fetched from the hub.
 """
 import json
