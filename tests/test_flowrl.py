@@ -97,12 +97,26 @@ def test_toy_flowrl_matches_the_target_and_grpo_does_not(tmp_path):
     assert flow["modes_covered"] > grpo["modes_covered"]
 
 
-def test_math_answer_checker():
-    assert flowrl.math_reward("so the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
-    assert flowrl.math_reward("\\boxed{x^{2}}", "x^{2}") == 1.0
-    assert flowrl.math_reward("I think 41, no, 42", "42") == 1.0
-    assert flowrl.math_reward("\\boxed{41}", "42") == 0.0
-    assert flowrl.math_reward("", "42") == 0.0
+MATH_PAIRS = [  # (completion, reference answer, reward)
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{x^{2}}", "x^{2}", 1.0),
+    ("\\boxed{x^2}", "x^{2}", 1.0), ("I think 41, no, 42", "42", 1.0), ("\\boxed{41}", "42", 0.0), ("", "42", 0.0),
+    ("I don't know", "\\text{Monday}", 0.0), ("\\boxed{\\text{Monday}}", "\\text{Monday}", 1.0),
+    ("\\boxed{\\text{Tuesday}}", "\\text{Monday}", 0.0), ("\\boxed{123456789}", "123456700", 0.0),
+    ("\\boxed{123456789}", "123456789", 1.0), ("\\boxed{1,000}", "1000", 1.0), ("\\boxed{1000}", "1,000", 1.0),
+    ("\\boxed{\\tfrac{1}{2}}", "1/2", 1.0), ("\\boxed{\\frac12}", "0.5", 1.0), ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{0.75}", "\\frac34", 1.0), ("\\boxed{0.7}", "\\frac34", 0.0), ("\\boxed{90^\\circ}", "90", 1.0),
+    ("\\boxed{10\\%}", "10", 1.0), ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0), ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
+    ("\\boxed{-3}", "3", 0.0), ("\\boxed{3}", "-3", 0.0), ("\\boxed{\\pi}", "\\pi", 1.0), ("\\boxed{3.14}", "\\pi", 0.0),
+    ("\\boxed{x=4}", "4", 1.0), ("\\boxed{(1,2)}", "(1, 2)", 1.0), ("\\boxed{(2,1)}", "(1, 2)", 0.0),
+    ("The answer is $\\frac{2}{4}$", "\\frac{1}{2}", 1.0), ("\\boxed{5} but later \\boxed{6}", "6", 1.0),
+    ("\\boxed{5} but later \\boxed{6}", "5", 0.0), ("\\boxed{1/3}", "0.333", 0.0), ("\\boxed{\\infty}", "\\infty", 1.0),
+    ("\\boxed{2x+1}", "1+2x", 1.0), ("\\boxed{2x-1}", "1+2x", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, reward", MATH_PAIRS)
+def test_math_answer_checker(completion, answer, reward):
+    assert flowrl.math_reward(completion, answer) == reward
 
 
 def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
