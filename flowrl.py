@@ -96,6 +96,20 @@ SYMBOLS = list("abcd")
 TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
 VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0
 
+@dataclasses.dataclass
+class Task:
+    """Prompts and how a completion of prompt i is scored: the toy's reward table, or math answers."""
+    prompts: list
+    reward_table: list = None  # toy: {answer text: reward} per prompt
+    answers: list = None  # full scale: the reference answer per prompt
+    eval_rows: list = dataclasses.field(default_factory=list)  # full scale: (prompt, answer) for Avg@k
+
+    def reward(self, i, text):
+        if self.reward_table is not None:
+            return self.reward_table[i].get(text.strip(), 0.0)
+        return math_reward(text, self.answers[i])
+
+
 def toy_reward_table(seed):
     """For each toy prompt, six 3-symbol answers with rewards VALLEYS (modes of different fertility)."""
     gen = torch.Generator().manual_seed(seed)
@@ -120,9 +134,7 @@ def build_toy(args):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    task = {"prompts": TOY_PROMPTS, "answers": None,
-            "reward": lambda i, text: table[i].get(text.strip(), 0.0)}
-    return tokenizer, model, task
+    return tokenizer, model, Task(TOY_PROMPTS, reward_table=table)
 
 # ----------------------------------------------------------------------------- the full-scale task
 
@@ -166,10 +178,8 @@ def build_full(args, device):
                                                  tokenize=False, add_generation_prompt=True)
         return question + MATH_SUFFIX + "\n"
 
-    task = {"prompts": [render(q) for q, _ in rows], "answers": [a for _, a in rows],
-            "reward": lambda i, text: math_reward(text, rows[i][1]),
-            "eval": [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []}
-    return tokenizer, model, task
+    eval_rows = [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []
+    return tokenizer, model, Task([render(q) for q, _ in rows], answers=[a for _, a in rows], eval_rows=eval_rows)
 
 # ----------------------------------------------------------------------------- the algorithm
 
@@ -226,19 +236,19 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     texts = [tokenizer.decode(a) for a in answers.tolist()]
     out = {"kl_policy_to_target": 0.0, "kl_target_to_policy": 0.0, "mean_reward": 0.0, "target_mean_reward": 0.0,
            "modes_covered": 0, "modes_total": 0, "dists": []}
-    for i, prompt in enumerate(task["prompts"]):
+    for i, prompt in enumerate(task.prompts):
         prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1).to(model.device)
         mask = torch.ones_like(seq)
         logp = common.completion_logprobs(model, seq, mask, length).sum(-1).cpu()
         ref_logp = common.reference_logprobs(model, ref_model, seq, mask, length).sum(-1).cpu()
-        reward = torch.tensor([task["reward"](i, t) for t in texts])
+        reward = torch.tensor([task.reward(i, t) for t in texts])
         log_target = torch.log_softmax(ref_logp + beta * length * reward, 0)
         pi, target = logp.exp(), log_target.exp()
-        out["kl_policy_to_target"] += (pi * (logp - log_target)).sum().item() / len(task["prompts"])
-        out["kl_target_to_policy"] += (target * (log_target - logp)).sum().item() / len(task["prompts"])
-        out["mean_reward"] += (pi * reward).sum().item() / len(task["prompts"])
-        out["target_mean_reward"] += (target * reward).sum().item() / len(task["prompts"])
+        out["kl_policy_to_target"] += (pi * (logp - log_target)).sum().item() / len(task.prompts)
+        out["kl_target_to_policy"] += (target * (log_target - logp)).sum().item() / len(task.prompts)
+        out["mean_reward"] += (pi * reward).sum().item() / len(task.prompts)
+        out["target_mean_reward"] += (target * reward).sum().item() / len(task.prompts)
         rewarded = reward > 0
         out["modes_covered"] += int((pi[rewarded] >= 0.05 * target[rewarded]).sum())
         out["modes_total"] += int(rewarded.sum())
@@ -290,7 +300,7 @@ def train(args):
     accelerator, device = common.setup_accelerator(args.device)
     tokenizer, model, task = build_full(args, device) if args.model else build_toy(args)
     model.to(device)
-    toy = task["answers"] is None
+    toy = task.reward_table is not None
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (FlowRL's practical loss).
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     head = LogZHead(model.config.hidden_size).to(device)
@@ -313,7 +323,7 @@ def train(args):
         if not accelerator.is_main_process:  # only rank 0 logs, so only it evaluates
             return {}
         metrics = (exact_metrics(model, ref_model, tokenizer, task, args.beta) if toy
-                   else avg_at_k(model, tokenizer, task["eval"], args) if task["eval"] else {})
+                   else avg_at_k(model, tokenizer, task.eval_rows, args) if task.eval_rows else {})
         model.train()
         return metrics
 
@@ -328,14 +338,14 @@ def train(args):
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
-        picked = torch.randint(len(task["prompts"]), (args.prompts_per_step,), generator=gen)[mine.start:mine.stop]
+        picked = torch.randint(len(task.prompts), (args.prompts_per_step,), generator=gen)[mine.start:mine.stop]
         seeds = [common.sampling_seed(args.seed, step, g) for g in mine]
         idx = picked.repeat_interleave(args.group_size).tolist()
-        prompts = [task["prompts"][i] for i in idx]
-        samples = sample_groups(model, tokenizer, [task["prompts"][i] for i in picked], args.group_size, seeds,
+        prompts = [task.prompts[i] for i in idx]
+        samples = sample_groups(model, tokenizer, [task.prompts[i] for i in picked], args.group_size, seeds,
                                 args, stop_at_eos=not toy)
         # 2. rewards r, and r̂ = the group-normalised reward (FlowRL's practical loss) or r itself (DEVIATION 1)
-        rewards = torch.tensor([task["reward"](i, text) for i, (text, _, _) in zip(idx, samples)])
+        rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
         advantages = common.group_advantages(rewards, args.group_size).to(device)
         reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)
         # 3. micro-batches bounded by --micro-batch-tokens; π_ref's log-probs once (FlowRL)

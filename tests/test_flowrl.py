@@ -54,7 +54,7 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     texts, pi, target, reward = metrics["dists"][0]
     assert sum(pi) == pytest.approx(1.0, abs=1e-4) and sum(target) == pytest.approx(1.0, abs=1e-4)
     assert metrics["kl_policy_to_target"] > 0  # π = π_ref ≠ p*
-    prompt = tokenizer(task["prompts"][0], add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(task.prompts[0], add_special_tokens=False)["input_ids"]
     vocab = len(tokenizer)
     with torch.no_grad():
         for j in [0, 5, 777, vocab**3 - 1]:
