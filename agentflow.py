@@ -20,7 +20,7 @@ Equation map (paper → function):
 
 Deviations (numbered, on purpose):
     1. Turn-samples are averaged token-wise over the whole batch (common `token-mean`, as the official
-       verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as Eq. in the Flow-GRPO objective writes.
+       verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as the paper's objective writes.
     2. The toy's executor, verifier and generator are deterministic rules (documented at `build_toy`);
        at full scale they are the base model with the LoRA adapter disabled, as the paper's frozen modules.
     3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale: exact/numeric match.
@@ -94,7 +94,7 @@ class Args:
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue each arm from its checkpoint.safetensors"})
 
 
-# Paper setup (AgentFlow's setup): G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
+# Paper setup: G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
 # temperature 0.7 in training and greedy at evaluation, 3 training turns. Qwen2.5-7B-Instruct with LoRA.
 # The paper's lr 1e-6 is for full fine-tuning; with LoRA it is ×10, the LoRA/full-FT learning-rate ratio measured
 # in "LoRA Without Regret" (Schulman et al., Thinking Machines 2025).
@@ -102,7 +102,7 @@ PRESETS = {"full": dict(model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per
                         inner_steps=1, max_new_tokens=256, temperature=0.7, lr=1e-5, lora_rank=64, ablation=False,
                         eval_every=25, micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)}
 
-# ----------------------------------------------------------------------------- memory and the loop (AgentFlow's system)
+# ----------------------------------------------------------------------------- memory and the loop
 
 
 @dataclasses.dataclass
@@ -550,7 +550,7 @@ def build_full(args, device):
                       args.gen_batch, hidden)
 
 
-# ----------------------------------------------------------------------------- the algorithm core (the Flow-GRPO objective)
+# ----------------------------------------------------------------------------- the algorithm core: Flow-GRPO
 
 
 def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4):
@@ -562,7 +562,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     """
     if mode == "trajectory":
         per_trajectory = common.group_advantages(rewards, group_size, eps=eps)
-        return per_trajectory.repeat_interleave(torch.as_tensor(turns))  # the Flow-GRPO objective reward broadcast: A_i on every turn
+        return per_trajectory.repeat_interleave(torch.as_tensor(turns))  # reward broadcast: A_i on every turn
     rows = []
     for g in range(0, len(rewards), group_size):
         reps = torch.as_tensor(turns[g:g + group_size])
@@ -574,7 +574,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
 
 
 def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta, token_count):
-    """The Flow-GRPO objective of the Flow-GRPO objective as a loss, per planner token t of every turn-sample:
+    """The paper's Flow-GRPO objective as a loss, per planner token t of every turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts the

@@ -5,7 +5,8 @@ Official code: Xuekai-Zhu/FlowRL (a verl fork).
 
 Reward maximisers (PPO, GRPO) pile their mass onto the single best mode. FlowRL instead fits the target
 p*(y|x) ∝ π_ref(y|x)·exp(β·r(x,y)) by minimising KL(π_θ‖p*); in expected gradient that KL equals the
-GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) is a small learned head (FlowRL's target, Proposition 1).
+GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) is a small learned head
+(Proposition 1 of the paper).
 
 Equation map (paper → function):
     TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)²   → trajectory_balance_loss
@@ -20,7 +21,7 @@ Deviations (numbered, on purpose):
     2. w clips the sequence ratio to [1−ε, 1+ε] as the paper writes; the original code used it unclipped
        (its clipped copy was unused, issues #14/#15). Clipping bounds the weight of stale samples.
     3. With length-normalised log-probs the TB fixed point is π ∝ π_ref·exp(β·|y|·r); the toy's responses
-       all have |y| = 3, so its exact target uses β·|y| (the same family as FlowRL's target, Proposition 1, with a rescaled β).
+       all have |y| = 3, so its exact target uses β·|y| (the family of Proposition 1 with a rescaled β).
     4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (FlowRL's log Z head).
     5. The toy samples G = 64 per prompt (paper: 8). TB's gradient is −β∇E[r] + ∇KL(π‖π_ref)/|y|: the KL
        part pulls toward π_ref on every sample while the reward part speaks only on rare hits, so with
@@ -42,6 +43,7 @@ import torch
 import torch.nn as nn
 
 import common
+
 
 # ----------------------------------------------------------------------------- args
 
@@ -82,7 +84,8 @@ class Args:
     save_every: int = dataclasses.field(default=50, metadata={"help": "steps between checkpoints (0 = never)"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from out_dir/checkpoint.safetensors"})
 
-# Paper recipe (FlowRL's practical loss): G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
+
+# Paper recipe: G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
 # rollouts and 0.6 for Avg@16. 8k-token responses do not fit one GPU with 8 samples; 1024 here.
 # With inner_steps = 1 every sample is on-policy, so w ≡ 1: the clip matters only with --inner-steps > 1.
 PRESETS = {"full": dict(model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8, group_size=8,
@@ -90,11 +93,13 @@ PRESETS = {"full": dict(model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_p
                         logz_lr=1e-6, eval_k=16, eval_every=50, micro_batch_tokens=8192, gen_batch=16,
                         gradient_checkpointing=True)}
 
+
 # ----------------------------------------------------------------------------- the toy task
 
 SYMBOLS = list("abcd")
 TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
 VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0
+
 
 @dataclasses.dataclass
 class Task:
@@ -117,6 +122,7 @@ def toy_reward_table(seed):
     return [{answers[j]: r for j, r in zip(torch.randperm(len(answers), generator=gen)[:len(VALLEYS)].tolist(), VALLEYS)}
             for _ in TOY_PROMPTS]
 
+
 def build_toy(args):
     """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol strings."""
     tokenizer = common.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
@@ -136,17 +142,20 @@ def build_toy(args):
         optimizer.step()
     return tokenizer, model, Task(TOY_PROMPTS, reward_table=table)
 
+
 # ----------------------------------------------------------------------------- the full-scale task
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
+
 def math_reward(text, answer):
-    """1 if the completion's final answer equals the reference, else 0 (FlowRL's setup), by HF's math-verify: the last
+    """1 if the completion's final answer equals the reference, else 0, by HF's math-verify: the last
     \\boxed{} (or final expression) of the text, compared symbolically (fractions, LaTeX, units, sets)."""
     from math_verify import parse, verify
 
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
     return float(bool(gold) and verify(gold, parse(text)))
+
 
 def load_math_jsonl(path):
     """[(prompt, answer)] from JSONL lines with a 'prompt' or 'problem' field and an 'answer' field."""
@@ -166,6 +175,7 @@ def load_math_jsonl(path):
         raise SystemExit(f"error: {path} has no rows")
     return rows
 
+
 def build_full(args, device):
     """HF causal LM (optionally LoRA) + the math task; prompts use the chat template when there is one."""
     tokenizer, model = common.load_causal_lm(args.model, device, args.lora_rank,
@@ -180,6 +190,7 @@ def build_full(args, device):
 
     eval_rows = [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []
     return tokenizer, model, Task([render(q) for q, _ in rows], answers=[a for _, a in rows], eval_rows=eval_rows)
+
 
 # ----------------------------------------------------------------------------- the algorithm
 
@@ -199,12 +210,14 @@ class LogZHead(nn.Module):
         pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(min=1)
         return self.net(pooled.float()).squeeze(-1)
 
+
 def importance_weight(logp_sum, old_logp_sum, clip_eps):
     """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (FlowRL's practical loss; DEVIATION 2)."""
     return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
 
+
 def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_rows=None):
-    """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²   (FlowRL's practical loss)
+    """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²
 
     logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); weight: w (B,).
     N = num_rows (the whole step's rows, so micro-batches add up to the step's mean; default B).
@@ -212,6 +225,7 @@ def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_row
     """
     residual = log_z + logp - beta * reward - ref_logp  # the TB residual
     return (weight * residual**2).sum() / (num_rows or len(residual)), residual
+
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
     """The baseline's clipped surrogate (GRPO): L = −Σ_t min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) / N_tokens.
@@ -224,6 +238,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch
     stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item()}
     return (pg_loss * mask).sum() / token_count, stats
+
 
 @torch.no_grad()
 def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
@@ -255,6 +270,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         out["dists"].append((texts, pi.tolist(), target.tolist(), reward.tolist()))
     return out
 
+
 @torch.no_grad()
 def avg_at_k(model, tokenizer, eval_rows, args):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's setup)."""
@@ -263,6 +279,7 @@ def avg_at_k(model, tokenizer, eval_rows, args):
     samples = common.sample_completions(model, tokenizer, prompts, args.max_new_tokens, args.eval_temperature,
                                         batch_rows=args.gen_batch)
     return {"avg_at_k": sum(math_reward(text, a) for (text, _, _), a in zip(samples, answers)) / len(samples)}
+
 
 # ----------------------------------------------------------------------------- rollouts
 
@@ -279,6 +296,7 @@ def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eo
                                              args.temperature, stop_at_eos, args.gen_batch)
     return samples
 
+
 # ----------------------------------------------------------------------------- the loop
 
 def validate(args):
@@ -293,6 +311,7 @@ def validate(args):
                        (bool(args.model) == bool(args.data),
                         "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy")])
 
+
 def train(args):
     """Roll out G answers per prompt, score them, then TB (FlowRL) or clipped-surrogate (GRPO) updates."""
     validate(args)
@@ -301,7 +320,7 @@ def train(args):
     tokenizer, model, task = build_full(args, device) if args.model else build_toy(args)
     model.to(device)
     toy = task.reward_table is not None
-    # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights (FlowRL's practical loss).
+    # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights .
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     head = LogZHead(model.config.hidden_size).to(device)
     groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
@@ -344,7 +363,7 @@ def train(args):
         prompts = [task.prompts[i] for i in idx]
         samples = sample_groups(model, tokenizer, [task.prompts[i] for i in picked], args.group_size, seeds,
                                 args, stop_at_eos=not toy)
-        # 2. rewards r, and r̂ = the group-normalised reward (FlowRL's practical loss) or r itself (DEVIATION 1)
+        # 2. rewards r, and r̂ = the group-normalised reward (the paper) or r itself (DEVIATION 1)
         rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
         advantages = common.group_advantages(rewards, args.group_size).to(device)
         reward_hat = advantages if args.reward_norm == "group" else rewards.to(device)
@@ -374,7 +393,7 @@ def train(args):
                 if args.algo == "flowrl":
                     plen = ids.shape[1] - mask.shape[1]
                     prompt_hidden = hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen]
-                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # FlowRL's log Z head log Z_φ(x)
+                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # log Z_φ(x)
                     weight = importance_weight(common.sequence_logprob(logp, mask),
                                                common.sequence_logprob(old_logp, mask), args.clip_eps)
                     loss, residual = trajectory_balance_loss(
@@ -420,9 +439,10 @@ def train(args):
              ("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")] if toy else \
             [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if not toy and accelerator.is_main_process:
-        model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model (FlowRL's log Z head)
+        model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model
         tokenizer.save_pretrained(out_dir / "policy")
     return logger.finish(summary, plots)
+
 
 def plot_valleys(dist, path, algo, top=16):
     """Bars of target p* vs learned π over the answers with the most target mass (seed 001's valleys)."""
@@ -444,6 +464,7 @@ def plot_valleys(dist, path, algo, top=16):
     fig.savefig(path)
     plt.close(fig)
 
+
 def plot_kl_comparison(runs_dir):
     """FlowRL vs GRPO exact KL(π‖p*) curves from runs/flowrl and runs/flowrl-grpo (written by `make demo`)."""
     curves = {}
@@ -453,6 +474,7 @@ def plot_kl_comparison(runs_dir):
             rows = [json.loads(line) for line in path.read_text().splitlines()]
             curves[name] = [(r["step"], r["kl_policy_to_target"]) for r in rows if "kl_policy_to_target" in r]
     common.plot_curves(curves, Path(runs_dir) / "flowrl_vs_grpo_kl.png", "exact KL(π‖p*) on the toy", "KL", logy=True)
+
 
 if __name__ == "__main__":
     result = train(common.parse_args(Args, PRESETS))

@@ -23,7 +23,7 @@ Equation map (paper → function):
     BFCL     calls parsed with ast, literal arguments only              → parse_calls, BFCLEnv
 
 Deviations (numbered, on purpose):
-    1. Model output is never eval'd (the official harness does, BFCL's protocol): `parse_calls` accepts only
+    1. Model output is never eval'd (the official harness does): `parse_calls` accepts only
        `[f(literal, k=literal), ...]` and `BFCLEnv` dispatches to public methods of fresh instances.
     2. Train/test split by id (`id % 10 == 9` → test, 20 per category = 80); the paper's per-category counts
        (18/23/17/22) come from a split it does not publish.
@@ -112,7 +112,7 @@ class Args:
         "help": "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)"})
 
 
-# Paper recipe (RCTP-FT): G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
+# Paper recipe: G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
 # Qwen2.5-7B-Instruct. The paper's lr (1e-6 RL, 1e-5 stage 1) is for full fine-tuning; with LoRA (so that one GPU
 # holds policy and reference) both are ×10, the LoRA/full-FT learning-rate ratio measured in "LoRA Without
 # Regret" (Schulman et al., Thinking Machines 2025). BFCL prompts are ~5k tokens: three rows per micro-batch.
@@ -221,7 +221,7 @@ class BFCLEnv:
     """Fresh backend instances for one entry; calls dispatch only to allow-listed public methods.
 
     Every instance is built from a deep copy of the entry's `initial_config`, so parallel rollouts of one
-    task never share state (the official harness caches instances in module globals, BFCL's protocol).
+    task never share state (the official harness caches instances in module globals).
     """
 
     def __init__(self, entry):
@@ -715,13 +715,13 @@ def build_rctp_data(world, entries, args):
     return samples, len(failures)
 
 
-# ----------------------------------------------------------------------------- the algorithm core (RC-GRPO stage 2)
+# ----------------------------------------------------------------------------- the algorithm core: stage 2
 
 
 def sample_reward_tokens(n, p, generator):
-    """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (RC-GRPO stage 2)."""
+    """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else <|low_reward|>  (stage 2)."""
     draws = torch.rand(n, generator=generator) < p
-    return [HIGH if d else LOW for d in draws.tolist()]  # RC-GRPO stage 2 r_j ~ Bernoulli(p), i.i.d.
+    return [HIGH if d else LOW for d in draws.tolist()]  # r_j ~ Bernoulli(p), i.i.d.
 
 
 def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, token_count):

@@ -1,6 +1,8 @@
-"""Denoising reduction (Flow-GRPO Flow-GRPO's denoising reduction): cost of one training epoch at 10 vs 40 rollout steps, and its split.
+"""Flow-GRPO's denoising reduction: cost of one training epoch at 10 vs 40 rollout steps, its split, and
+whether the final quality of a whole run matches.
 
-    python benchmarks/denoising_reduction.py            # toy, CPU; prints per-epoch times, ratio and split
+    python benchmarks/denoising_reduction.py            # toy, CPU; per-epoch times, ratio and split, then the
+                                                        # final accuracy of whole runs at 10 vs 40 steps
 
 Time per epoch is read from metrics.jsonl (the gap between consecutive epochs, evaluation excluded); the
 split times the script's own `rollout` (SDE rollouts only) and `score` (training calls only) functions, and
@@ -48,6 +50,21 @@ def epoch_costs(train_steps, epochs=20):
             "update": round(epoch - rollout - reward, 4)}
 
 
+def final_quality(train_steps, seed):
+    """The paper's claim is speed without a quality loss: a whole toy run (150 epochs) rolled out with
+    `train_steps` SDE steps, evaluated with the same 40-step ODE; its final accuracy and reward."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = common.parse_args(flow_grpo.Args, flow_grpo.PRESETS, [
+            "--quiet", "--train-steps", str(train_steps), "--seed", str(seed), "--eval-every", "1000",
+            "--out-dir", tmp])
+        summary = flow_grpo.train(args)
+    return {"accuracy_after": round(summary["accuracy_after"], 3), "reward_after": round(summary["reward_after"], 3),
+            "wall_seconds": summary["wall_seconds"]}
+
+
 if __name__ == "__main__":
     fast, full = epoch_costs(10), epoch_costs(40)
     print(json.dumps({"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)}))
+    for seed in (0, 1):
+        print(json.dumps({"seed": seed, "final_10_steps": final_quality(10, seed),
+                          "final_40_steps": final_quality(40, seed)}), flush=True)
