@@ -38,7 +38,7 @@ def moved(before, after_file, prefix=""):
 
 def flowrl_flags(group_size):
     return ["flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
-            "--prompts-per-step", "2", "--group-size", str(group_size), "--max-new-tokens", "16",
+            "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
             "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing"]
 
 
@@ -50,7 +50,8 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(
     assert moved(start, tmp_path / "g4" / "policy" / "model.safetensors") > 0
     flags = flowrl_flags(8)
     large = run(flags[0], tmp_path / "g8", *flags[1:])
-    # twice the rollouts at the same budget: measured +29 MiB (and +800 MiB with one unbounded micro-batch)
+    # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger version of
+    # this step (2 prompts × G 8) measured +800 MiB
     assert large["peak_rss_mb"] - small["peak_rss_mb"] < 150, (small["peak_rss_mb"], large["peak_rss_mb"])
 
 
@@ -74,18 +75,17 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
 
 def test_agentflow_on_smollm2(smollm2, tmp_path):
     summary = run("agentflow.py", tmp_path, "--preset", "full", "--data", "tests/data/qa_tiny.jsonl",
-                  "--eval-data", "tests/data/qa_tiny.jsonl", "--corpus", "tests/data/corpus_tiny.jsonl",
-                  "--steps", "1", "--queries-per-step", "1", "--group-size", "2", "--max-turns", "2",
-                  "--eval-max-turns", "1", "--max-new-tokens", "16", "--lora-rank", "8",
+                  "--corpus", "tests/data/corpus_tiny.jsonl", "--steps", "1", "--queries-per-step", "1",
+                  "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "12", "--lora-rank", "8",
                   "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
     assert summary["sampler_logprob_max_dev"] <= 1e-3
     adapter = load_file(tmp_path / "planner" / "adapter_model.safetensors")
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["turn_samples"] >= 2 and 1 <= step["mean_turns"] <= 2
     lora_b = max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k)  # B starts at 0
     # 135M parameters rarely answer these right: a step whose groups are all-equal carries no gradient at
     # all (A = 0 and π = π_ref), so the adapter must stay exactly at its start; otherwise it must move.
     assert (lora_b > 0) if step["zero_var_frac"] < 1 else (lora_b == 0 and step["loss"] == 0)
-    assert "turn 1:" in (tmp_path / "rollouts.txt").read_text()
 
 
 def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
