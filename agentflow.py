@@ -24,6 +24,11 @@ Deviations (numbered, on purpose):
     2. The toy's executor, verifier and generator are deterministic rules (documented at `build_toy`);
        at full scale they are the base model with the LoRA adapter disabled, as the paper's frozen modules.
     3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale: exact/numeric match.
+    4. Full-scale loop against the official system: the planner, executor, verifier and generator prompts
+       are short paraphrases of the official ones with the same fields (the planner writes `Sub-Goal:` and
+       `Tool:`, read in any case; the executor gets the question, the sub-goal and the memory so far as its
+       context); tools are a sandboxed Python runner, TF-IDF retrieval over a local corpus and the base
+       model, instead of web search, Wikipedia and a hosted coder; the verifier sees the whole memory.
 
 Toy (default, CPU, a few minutes):   python agentflow.py
 Full scale (one GPU):                python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl

@@ -140,6 +140,11 @@ def build_toy(args):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    if args.lora_rank:  # π_ref is then the same network with the adapter off
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     return tokenizer, model, Task(TOY_PROMPTS, reward_table=table)
 
 

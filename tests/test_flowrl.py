@@ -88,6 +88,12 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
         assert (tmp_path / "a" / name).exists()
 
 
+def test_toy_with_lora_uses_the_adapter_off_model_as_reference(tmp_path):
+    summary = flowrl.train(toy_args(tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2",
+                                    "--group-size", "16"))
+    assert summary["sampler_logprob_max_dev"] < 1e-3 and summary["kl_policy_to_target"] > 0
+
+
 @pytest.mark.slow
 def test_toy_flowrl_matches_the_target_and_grpo_does_not(tmp_path):
     flow = flowrl.train(toy_args(tmp_path / "flowrl"))
