@@ -91,7 +91,7 @@ def test_agentflow_on_smollm2(smollm2, tmp_path):
 def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
     summary = run("rc_grpo.py", tmp_path, "--preset", "bfcl", "--tasks", "multi_turn_base_1,multi_turn_base_49",
                   "--max-turns", "1", "--docs", "needed", "--steps", "1", "--tasks-per-step", "1", "--group-size", "2",
-                  "--failure-rollouts", "1", "--max-steps", "1", "--max-new-tokens", "16", "--lora-rank", "8",
+                  "--failure-rollouts", "1", "--max-steps", "1", "--max-new-tokens", "12", "--lora-rank", "8",
                   "--rctp-epochs", "1", "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3

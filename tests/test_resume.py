@@ -27,7 +27,7 @@ def summary(folder):
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("flowrl.py", ["--steps", "12", "--group-size", "16", "--eval-every", "12", "--save-every", "3"]),
+    ("flowrl.py", ["--steps", "8", "--group-size", "8", "--eval-every", "8", "--save-every", "2"]),
     ("flow_grpo.py", ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3"]),
     ("agentflow.py", ["--steps", "8", "--eval-every", "8", "--save-every", "2", "--no-ablation",
                       "--queries-per-step", "2"]),
