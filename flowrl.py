@@ -450,7 +450,7 @@ def train(args):
 
 
 def plot_valleys(dist, path, algo, top=16):
-    """Bars of target p* vs learned π over the answers with the most target mass (seed 001's valleys)."""
+    """Bars of target p* vs learned π over the answers with the most target mass (the paper's Figure 1 view)."""
     import matplotlib
 
     matplotlib.use("Agg")
