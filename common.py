@@ -1,6 +1,6 @@
 """Shared pieces of the four algorithm scripts: group advantages, log-prob utilities, plumbing.
 
-Only what two or more scripts use lives here (STYLE.md habit 5). The equations:
+Only what two or more scripts use lives here; each script writes its own loss. The equations:
 
     group_advantages        A_i = (r_i − mean_g r) / (std_g r + ε)                  GRPO "group-relative advantage"
     zero_variance_fraction  share of groups with std_g r = 0 (A ≡ 0, no policy gradient)
@@ -183,7 +183,8 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.
         enc = tokenizer(prompts[lo:lo + batch_rows], return_tensors="pt", padding=True, add_special_tokens=False)
         enc = enc.to(model.device)
         recorder = SampledLogprobs(temperature if temperature > 0 else 1.0)
-        seq = model.generate(**enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+        with training_autocast(model.device):  # sample in the precision the trainer scores in
+            seq = model.generate(**enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
         recorder.collect(seq)
         completion = seq[:, enc["input_ids"].shape[1]:].cpu()
         logp = torch.stack(recorder.picked, 1).cpu() if temperature > 0 else torch.zeros(completion.shape)
