@@ -4,10 +4,11 @@ completion length, reward and optimiser. Reports samples/s (completions per seco
     python -m venv .venv-bench && .venv-bench/bin/pip install -r benchmarks/requirements.txt
     .venv-bench/bin/python benchmarks/bench_vs_trl.py          # or: make bench-trl
 
-A step = generate G completions per prompt, reward, group advantages, clipped loss, backward, AdamW step.
-Both sides sample at temperature 1 with EOS stopping, β = 0 (no reference model), one optimiser step per
-batch; the first step of each side is a warm-up and is not timed.
+A step = generate G completions per prompt, reward, group advantages, clipped loss, backward, AdamW
+step. Both sides sample at temperature 1 with EOS stopping, β = 0 (no reference model), one
+optimiser step per batch; the first step of each side is a warm-up and is not timed.
 """
+
 import json
 import sys
 import tempfile
@@ -43,12 +44,17 @@ def ours(hidden):
         start = time.time()
         samples = common.sample_completions(model, tokenizer, prompts, NEW_TOKENS)
         rewards = torch.tensor(reward([text for text, _, _ in samples]))
-        ids, attn, mask = common.pack_completions(tokenizer, prompts, [s[1] for s in samples], model.device)
+        ids, attn, mask = common.pack_completions(
+            tokenizer, prompts, [s[1] for s in samples], model.device
+        )
         model.train()
         logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
-        # One update per batch: the sampling policy is the current one, so old_logp = logp.detach() (ratio ≡ 1,
-        # the same gradient) and no separate no-grad scoring pass is needed; TRL does the same.
-        loss, _ = flowrl.grpo_loss(logp, logp.detach(), common.group_advantages(rewards, GROUP), mask, 0.2, mask.sum())
+        # One update per batch: the sampling policy is the current one, so old_logp = logp.detach()
+        # (ratio ≡ 1, the same gradient) and no separate no-grad scoring pass is needed; TRL does
+        # the same.
+        loss, _ = flowrl.grpo_loss(
+            logp, logp.detach(), common.group_advantages(rewards, GROUP), mask, 0.2, mask.sum()
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -69,13 +75,32 @@ def trl(hidden):
             stamps.append(time.time())
 
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(output_dir=out, per_device_train_batch_size=len(PROMPTS) * GROUP, num_generations=GROUP,
-                            max_completion_length=NEW_TOKENS, max_steps=STEPS + 1, learning_rate=LR, beta=0.0,
-                            temperature=1.0, num_iterations=1, gradient_accumulation_steps=1, logging_steps=1000,
-                            save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0)
-        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: reward(completions), args=config,
-                              train_dataset=Dataset.from_dict({"prompt": PROMPTS * (STEPS + 2)}),
-                              processing_class=tokenizer, callbacks=[Clock()])
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(PROMPTS) * GROUP,
+            num_generations=GROUP,
+            max_completion_length=NEW_TOKENS,
+            max_steps=STEPS + 1,
+            learning_rate=LR,
+            beta=0.0,
+            temperature=1.0,
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            logging_steps=1000,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kw: reward(completions),
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * (STEPS + 2)}),
+            processing_class=tokenizer,
+            callbacks=[Clock()],
+        )
         trainer.train()
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     return len(PROMPTS) * GROUP / (sum(steps) / len(steps))
@@ -85,5 +110,14 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     for hidden in (64, 256):
         ours_rate, trl_rate = ours(hidden), trl(hidden)
-        print(json.dumps({"hidden": hidden, "ours_samples_per_s": round(ours_rate, 1), "trl_samples_per_s": round(trl_rate, 1),
-                          "ratio": round(ours_rate / trl_rate, 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "hidden": hidden,
+                    "ours_samples_per_s": round(ours_rate, 1),
+                    "trl_samples_per_s": round(trl_rate, 1),
+                    "ratio": round(ours_rate / trl_rate, 2),
+                }
+            ),
+            flush=True,
+        )

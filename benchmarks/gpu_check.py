@@ -1,13 +1,14 @@
-"""One rollout + update step of each full-size preset on random-init models: throughput, peak memory, MFU.
+"""One rollout + update step of each full-size preset on random weights: throughput, memory, MFU.
 
-    python benchmarks/gpu_check.py            # on a GPU: Qwen2.5-1.5B full fine-tune, Qwen2.5-7B + LoRA,
-                                              # the SD3.5-Medium transformer + LoRA (no downloads)
-    python benchmarks/gpu_check.py --tiny     # the same code on CPU with tiny configs (a smoke test)
+    python benchmarks/gpu_check.py         # on a GPU: Qwen2.5-1.5B full fine-tune, Qwen2.5-7B +
+                                           # LoRA, SD3.5-Medium transformer + LoRA (no downloads)
+    python benchmarks/gpu_check.py --tiny  # the same code on CPU, tiny configs (a smoke test)
 
 Models are built from their published configs with random weights, so nothing is fetched. MFU is
 6·params·trained-tokens / time / peak bf16 FLOP/s for the update (2·params·tokens for generation), a
 rough figure: attention FLOPs are left out.
 """
+
 import argparse
 import json
 import sys
@@ -24,15 +25,40 @@ import flowrl  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+SD35_MEDIUM = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
 
 
 def peak_flops(device):
@@ -48,8 +74,9 @@ def sync(device):
 
 
 def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, device):
-    """GRPO step as the scripts run it: fp32 master weights (LoRA: bf16 base, fp32 adapter) under bf16
-    autocast, generate G completions per prompt, score only the completion, clipped loss, AdamW step."""
+    """GRPO step as the scripts run it: fp32 master weights (LoRA: bf16 base, fp32 adapter) under
+    bf16 autocast, generate G completions per prompt, score only the completion, clipped loss, AdamW
+    step."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     base_dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
@@ -57,7 +84,9 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+        model = get_peft_model(
+            model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        )
     common.check_master_weights(model)
     autocast = common.training_autocast(device)
     params = sum(p.numel() for p in model.parameters())
@@ -67,8 +96,14 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     sync(device)
     start = time.time()
     with torch.no_grad(), autocast:
-        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0)
+        seq = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
     sync(device)
     gen_s = time.time() - start
     attn, mask = torch.ones_like(seq), torch.ones(n, new_tokens, device=device)
@@ -83,22 +118,33 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     train_s = time.time() - start
     gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
     flops = peak_flops(device)
-    return {"preset": name, "params": params, "samples": n, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
-            "train_tokens_per_s": round(train_tokens / train_s, 1),
-            "gen_mfu": round(2 * params * gen_tokens / gen_s / flops, 4) if flops else None,
-            "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None}
+    return {
+        "preset": name,
+        "params": params,
+        "samples": n,
+        "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
+        "train_tokens_per_s": round(train_tokens / train_s, 1),
+        "gen_mfu": round(2 * params * gen_tokens / gen_s / flops, 4) if flops else None,
+        "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None,
+    }
 
 
 def sd3_step(config, lora_rank, images, steps, resolution, device):
-    """Flow-GRPO step in the sd3 preset's precision (bf16 weights and autocast on a GPU that has it, fp32
-    LoRA): SDE rollout with CFG, then step_loss over the trained steps."""
+    """Flow-GRPO step in the sd3 preset's precision (bf16 weights and autocast on a GPU that has it,
+    fp32 LoRA): SDE rollout with CFG, then step_loss over the trained steps."""
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
     dtype = flow_grpo.weight_dtype("auto", device)
     transformer = SD3Transformer2DModel(**config).to(device, dtype).requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
-                                       target_modules=flow_grpo.SD3_LORA_TARGETS))
+    transformer.add_adapter(
+        LoraConfig(
+            r=lora_rank,
+            lora_alpha=2 * lora_rank,
+            init_lora_weights="gaussian",
+            target_modules=flow_grpo.SD3_LORA_TARGETS,
+        )
+    )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     for p in trainable:
         p.data = p.data.float()
@@ -111,8 +157,13 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
 
     def velocity(x, sigma, cond):
         with autocast:
-            return transformer(hidden_states=x.to(dtype), timestep=(1000 * sigma).float().expand(len(x)),
-                               encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0].float()
+            return transformer(
+                hidden_states=x.to(dtype),
+                timestep=(1000 * sigma).float().expand(len(x)),
+                encoder_hidden_states=cond[0],
+                pooled_projections=cond[1],
+                return_dict=False,
+            )[0].float()
 
     sigmas = flow_grpo.schedule(steps, 3.0, device)
     noise = torch.randn(images, config["in_channels"], side, side, device=device)
@@ -127,38 +178,85 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     start = time.time()
     for j in range(steps - 1):
         v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], cond, empty, 4.5)
-        loss, _, _ = flow_grpo.step_loss(v, None, latents[j], latents[j + 1], sigmas[j], sigmas[j + 1], old_logp[j],
-                                         advantages, loss_args)
+        loss, _, _ = flow_grpo.step_loss(
+            v,
+            None,
+            latents[j],
+            latents[j + 1],
+            sigmas[j],
+            sigmas[j + 1],
+            old_logp[j],
+            advantages,
+            loss_args,
+        )
         (loss / (steps - 1)).backward()
     optimizer.step()
     sync(device)
-    return {"preset": "sd3.5-medium+lora", "params": params, "images": images, "resolution": resolution,
-            "precision": str(dtype), "rollout_images_per_s": round(images / rollout_s, 3),
-            "update_images_per_s": round(images / (time.time() - start), 3)}
+    return {
+        "preset": "sd3.5-medium+lora",
+        "params": params,
+        "images": images,
+        "resolution": resolution,
+        "precision": str(dtype),
+        "rollout_images_per_s": round(images / rollout_s, 3),
+        "update_images_per_s": round(images / (time.time() - start), 3),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware"
+    )
     args = parser.parse_args()
     _, device = common.setup_accelerator("auto")
     if args.tiny:
-        small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, vocab_size=512)
-        jobs = [lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device),
-                lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device),
-                lambda: sd3_step(dict(sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                                      num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-                                      pooled_projection_dim=64, out_channels=4), 4, 2, 3, 16, device)]
+        small = dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+        )
+        jobs = [
+            lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device),
+            lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device),
+            lambda: sd3_step(
+                dict(
+                    sample_size=16,
+                    patch_size=1,
+                    in_channels=4,
+                    num_layers=1,
+                    attention_head_dim=8,
+                    num_attention_heads=4,
+                    joint_attention_dim=32,
+                    caption_projection_dim=32,
+                    pooled_projection_dim=64,
+                    out_channels=4,
+                ),
+                4,
+                2,
+                3,
+                16,
+                device,
+            ),
+        ]
     else:
-        jobs = [lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device),
-                lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device),
-                lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device)]
+        jobs = [
+            lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device),
+            lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device),
+            lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device),
+        ]
     for job in jobs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         result = job()
-        result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+        result["peak_gpu_gib"] = (
+            round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None
+        )
         print(json.dumps(result), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()

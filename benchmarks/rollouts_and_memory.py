@@ -1,11 +1,12 @@
-"""Rollout generation throughput (tokens/s vs batch size, KV cache on) and peak RSS of each toy preset.
+"""Rollout throughput (tokens/s vs batch size, KV cache on) and peak RSS of each toy preset.
 
-    python benchmarks/rollouts_and_memory.py          # about 6 minutes on 2 CPU cores (runs every toy once)
+    python benchmarks/rollouts_and_memory.py   # about 6 minutes on 2 CPU cores (every toy once)
 
-Throughput: common.sample_completions on the toy-size Qwen2 (hidden 64, 2 layers) and a 4× wider one,
-64 new tokens per sample. Memory: each toy script runs in its own process with default flags; its peak
-resident set size is read from the kernel (ru_maxrss of the finished child).
+Throughput: common.sample_completions on the toy-size Qwen2 (hidden 64, 2 layers) and a 4× wider
+one, 64 new tokens per sample. Memory: each toy script runs in its own process with default flags;
+its peak resident set size is read from the kernel (ru_maxrss of the finished child).
 """
+
 import json
 import os
 import subprocess
@@ -28,15 +29,21 @@ def generation_throughput(hidden, batch, new_tokens=64):
     with torch.no_grad():
         common.sample_completions(model, tokenizer, prompts[:2], 4, stop_at_eos=False)  # warm-up
         start = time.time()
-        seq, _, mask, _ = common.sample_completions(model, tokenizer, prompts, new_tokens, stop_at_eos=False)
+        seq, _, mask, _ = common.sample_completions(
+            model, tokenizer, prompts, new_tokens, stop_at_eos=False
+        )
     return mask.sum().item() / (time.time() - start)
 
 
 def peak_rss_mib(script):
     """Peak RSS of one toy run, from the kernel's accounting of that child alone (os.wait4)."""
     with tempfile.TemporaryDirectory() as out:
-        child = subprocess.Popen([sys.executable, str(ROOT / script), "--quiet", "--out-dir", out], cwd=ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(
+            [sys.executable, str(ROOT / script), "--quiet", "--out-dir", out],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
@@ -47,6 +54,15 @@ def peak_rss_mib(script):
 if __name__ == "__main__":
     for hidden in (64, 256):
         for batch in (1, 8, 32, 128):
-            print(json.dumps({"hidden": hidden, "batch": batch, "tokens_per_s": round(generation_throughput(hidden, batch))}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "hidden": hidden,
+                        "batch": batch,
+                        "tokens_per_s": round(generation_throughput(hidden, batch)),
+                    }
+                ),
+                flush=True,
+            )
     for script in ["flowrl.py", "flow_grpo.py", "agentflow.py", "rc_grpo.py"]:
         print(json.dumps({"toy": script, "peak_rss_mib": peak_rss_mib(script)}), flush=True)

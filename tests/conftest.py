@@ -1,4 +1,5 @@
 """Tests never touch the hub: offline mode is set before transformers/diffusers are imported."""
+
 import os
 import sys
 from pathlib import Path
@@ -13,5 +14,6 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def flow_grpo_cache(tmp_path_factory):
-    """One cache of flow_grpo's toy base model and reward classifier for the whole session (~20 s to train)."""
+    """One cache of flow_grpo's toy base model and reward classifier for the whole session (~20 s to
+    train)."""
     return tmp_path_factory.mktemp("flow_grpo_cache")

@@ -5,6 +5,7 @@
 Used by tests/test_distributed.py: the optimiser is the one object every script hands all its
 trainable tensors to, so a recording AdamW captures them without touching the scripts.
 """
+
 import importlib
 import os
 import sys
@@ -29,5 +30,7 @@ if __name__ == "__main__":
     script, prefix = sys.argv[1], sys.argv[2]
     module = importlib.import_module(script)
     module.train(common.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
-    params = [p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]]
+    params = [
+        p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]
+    ]
     torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")

@@ -1,5 +1,7 @@
-"""The bad-input matrix over the four scripts: every case gets one clear message and a non-zero exit,
-before any model is built (model ids and data files are covered in each script's own tests)."""
+"""The bad-input matrix over the four scripts: every case gets one clear message and a non-zero
+exit, before any model is built (model ids and data files are covered in each script's own
+tests)."""
+
 import pytest
 
 import agentflow
@@ -9,7 +11,12 @@ import flowrl
 import rc_grpo
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
-CLIP_FLAG = {"flowrl": "--clip-eps", "flow_grpo": "--clip-range", "agentflow": "--clip-eps", "rc_grpo": "--clip-eps"}
+CLIP_FLAG = {
+    "flowrl": "--clip-eps",
+    "flow_grpo": "--clip-range",
+    "agentflow": "--clip-eps",
+    "rc_grpo": "--clip-eps",
+}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -22,7 +29,9 @@ def test_help_lists_every_flag(name, capsys):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-@pytest.mark.parametrize("argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]])
+@pytest.mark.parametrize(
+    "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]]
+)
 def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, argv)
@@ -32,8 +41,12 @@ def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize("case", ["group", "lr", "clip"])
 def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
-    argv = {"group": ["--group-size", "1"], "lr": ["--lr", "-1"], "clip": [CLIP_FLAG[name], "0"]}[case]
-    args = common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
+    argv = {"group": ["--group-size", "1"], "lr": ["--lr", "-1"], "clip": [CLIP_FLAG[name], "0"]}[
+        case
+    ]
+    args = common.parse_args(
+        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
+    )
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS[name].train(args)
     message = str(exit_info.value)
@@ -41,7 +54,11 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
 
 
 def test_flow_grpo_refuses_to_train_on_the_ode(tmp_path):
-    args = common.parse_args(flow_grpo.Args, flow_grpo.PRESETS, ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)])
+    args = common.parse_args(
+        flow_grpo.Args,
+        flow_grpo.PRESETS,
+        ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)],
+    )
     with pytest.raises(SystemExit, match="ODE"):
         flow_grpo.train(args)
 
@@ -53,9 +70,14 @@ def test_every_function_in_the_equation_map_exists_and_has_a_docstring(name):
     module = SCRIPTS[name]
     doc = module.__doc__
     assert "arXiv" in doc and "REFERENCES" not in doc and "Deviations" in doc
-    equation_map = doc[doc.index("Equation map"):doc.index("Deviations")]
-    names = [n.strip() for line in equation_map.splitlines()[1:] if "→" in line
-             for n in line.split("→")[-1].split(",") if re.fullmatch(r"\s*(common\.)?\w+\s*", n)]
+    equation_map = doc[doc.index("Equation map") : doc.index("Deviations")]
+    names = [
+        n.strip()
+        for line in equation_map.splitlines()[1:]
+        if "→" in line
+        for n in line.split("→")[-1].split(",")
+        if re.fullmatch(r"\s*(common\.)?\w+\s*", n)
+    ]
     assert len(names) >= 4
     for entry in names:
         owner, _, attr = entry.rpartition(".")

@@ -1,4 +1,6 @@
-"""The GPU check is only run for real on a GPU, so its code path is exercised here with tiny configs."""
+"""The GPU check is only run for real on a GPU, so its code path is exercised here with tiny
+configs."""
+
 import json
 import subprocess
 import sys
@@ -8,8 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_runs_with_tiny_configs_on_cpu():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["preset"] for r in rows] == ["tiny-full", "tiny-lora", "sd3.5-medium+lora"]

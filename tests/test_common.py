@@ -1,4 +1,5 @@
 """common.py: every function on hand-computed numbers or an independent reference."""
+
 import math
 import os
 
@@ -15,8 +16,10 @@ def test_group_advantages_hand_numbers():
     s1 = math.sqrt(1 / 3)
     torch.testing.assert_close(a[:3], torch.tensor([(2 / 3) / s1, (-1 / 3) / s1, (-1 / 3) / s1]))
     torch.testing.assert_close(a[3:], torch.tensor([-1.0, 0.0, 1.0]))  # mean 2, sample std 2
-    torch.testing.assert_close(common.group_advantages(r, 3, scale="none"),
-                               torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+    torch.testing.assert_close(
+        common.group_advantages(r, 3, scale="none"),
+        torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]),
+    )
 
 
 def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
@@ -25,7 +28,9 @@ def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
     assert torch.equal(a, torch.zeros(6))
     a.sum().backward()
     assert torch.isfinite(r.grad).all()
-    assert common.zero_variance_fraction(torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2) == pytest.approx(2 / 3)
+    assert common.zero_variance_fraction(
+        torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2
+    ) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("bad", [dict(group_size=1), dict(group_size=4)])
@@ -45,7 +50,9 @@ def test_token_logprobs_equals_log_softmax_gather():
     labels = torch.randint(0, 11, (3, 5))
     ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
     torch.testing.assert_close(common.token_logprobs(logits, labels), ref)
-    torch.testing.assert_close(common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0)
+    torch.testing.assert_close(
+        common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0
+    )
 
 
 def test_masked_mean_and_sequence_logprob():
@@ -54,7 +61,9 @@ def test_masked_mean_and_sequence_logprob():
     assert common.masked_mean(x, m).item() == 1.5
     torch.testing.assert_close(common.masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
     torch.testing.assert_close(common.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
-    torch.testing.assert_close(common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
+    torch.testing.assert_close(
+        common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0])
+    )
 
 
 def test_gaussian_logprob_equals_normal_log_prob_averaged():
@@ -65,21 +74,28 @@ def test_gaussian_logprob_equals_normal_log_prob_averaged():
 
 
 def script_losses():
-    """Each script writes its own clipped surrogate in place; here the three LLM ones, as (logp, old, A, mask) → loss."""
+    """Each script writes its own clipped surrogate in place; here the three LLM ones, as (logp,
+    old, A, mask) → loss."""
     import agentflow
     import flowrl
     import rc_grpo
 
     return {
-        "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(lp, old, adv, m, eps, m.sum()),
-        "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(lp, old, lp.detach(), adv, m,
-                                                                                     eps, 0.0, m.sum()),
+        "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(
+            lp, old, adv, m, eps, m.sum()
+        ),
+        "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(
+            lp, old, lp.detach(), adv, m, eps, 0.0, m.sum()
+        ),
         "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
-            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()),
+            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()
+        ),
     }
 
 
-@pytest.mark.parametrize("name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+@pytest.mark.parametrize(
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
+)
 def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
@@ -90,7 +106,9 @@ def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
 
 
-@pytest.mark.parametrize("name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+@pytest.mark.parametrize(
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
+)
 def test_clipped_loss_gradient_vanishes_where_clip_binds(name):
     old = torch.zeros(4, 1)
     # ratios 1.5 (A>0: clipped), 0.5 (A>0: not clipped), 1.5 (A<0: not clipped), 0.5 (A<0: clipped)
@@ -141,7 +159,9 @@ def test_k3_nonnegative_zero_at_equality_and_unbiased():
     y = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(1))
     est = common.kl_penalty(p.log()[y], q.log()[y], "k3").mean()
     assert est.item() == pytest.approx(exact.item(), abs=0.01)
-    assert common.kl_penalty(p.log()[y], q.log()[y], "k1").mean().item() == pytest.approx(exact.item(), abs=0.01)
+    assert common.kl_penalty(p.log()[y], q.log()[y], "k1").mean().item() == pytest.approx(
+        exact.item(), abs=0.01
+    )
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
@@ -183,14 +203,26 @@ def test_completion_logprobs_match_generate_scores_under_left_padding():
     tok.padding_side = "left"
     enc = tok(["a b c", "d"], return_tensors="pt", padding=True)
     torch.manual_seed(0)
-    out = model.generate(**enc, do_sample=True, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
-                         pad_token_id=tok.pad_token_id, eos_token_id=None)
+    out = model.generate(
+        **enc,
+        do_sample=True,
+        max_new_tokens=4,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )
     seq = out.sequences
     mask = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1)
     with torch.no_grad():
         logp = common.completion_logprobs(model, seq, mask, 4)
-    gen_logp = torch.stack([torch.log_softmax(s, -1).gather(-1, seq[:, -4 + i, None]).squeeze(-1)
-                            for i, s in enumerate(out.scores)], 1)
+    gen_logp = torch.stack(
+        [
+            torch.log_softmax(s, -1).gather(-1, seq[:, -4 + i, None]).squeeze(-1)
+            for i, s in enumerate(out.scores)
+        ],
+        1,
+    )
     torch.testing.assert_close(logp, gen_logp, atol=1e-4, rtol=0)
 
 
@@ -204,7 +236,11 @@ def test_parse_args_presets_and_errors():
         lora: bool = False
 
     Args.__module__ = __name__
-    a = common.parse_args(Args, {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}}, ["--preset", "full", "--lr", "0.5"])
+    a = common.parse_args(
+        Args,
+        {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
+        ["--preset", "full", "--lr", "0.5"],
+    )
     assert (a.model, a.lr, a.lora, a.preset) == ("Qwen/Qwen2.5-0.5B", 0.5, False, "full")
     with pytest.raises(SystemExit):
         common.parse_args(Args, {}, ["--no-such-flag"])
@@ -215,3 +251,47 @@ def test_parse_args_presets_and_errors():
 def test_load_causal_lm_offline_error_points_at_toy():
     with pytest.raises(SystemExit, match="--preset toy"):
         common.load_causal_lm("no-such-org/no-such-model-xyz", torch.device("cpu"))
+
+
+def test_parse_seeds_ranges_lists_and_errors():
+    assert common.parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert common.parse_seeds("1,3,7") == [1, 3, 7]
+    for bad in ["", "a-b", "3-1", "-1"]:
+        with pytest.raises(SystemExit, match="--seeds"):
+            common.parse_seeds(bad)
+
+
+def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Args:
+        seed: int = 0
+        seeds: str = "0-2"
+        out_dir: str = ""
+        quiet: bool = False
+        algo: str = "a"
+
+    calls = []
+
+    def train(args):
+        calls.append((args.seed, args.algo, args.out_dir, args.seeds))
+        return {"score": float(args.seed) + (0.5 if args.algo == "b" else 0.0)}
+
+    args = Args()
+    args.preset = "toy"
+    result = common.seed_sweep(
+        train,
+        args,
+        [("a", {"algo": "a"}), ("b", {"algo": "b"})],
+        lambda s: {"gap": s["b"]["score"] - s["a"]["score"], "a": s["a"]["score"]},
+        lambda row: row["a"] >= 1,  # holds on seeds 1 and 2
+        tmp_path / "sweep",
+    )
+    assert [(c[0], c[1]) for c in calls] == [(s, arm) for s in range(3) for arm in "ab"]
+    assert all(c[3] == "" and c[2].endswith(f"seed{c[0]}/{c[1]}") for c in calls)
+    assert result["claim_holds_on"] == 2 and result["stats"]["a"]["mean"] == 1.0
+    assert result["stats"]["gap"] == {"mean": 0.5, "sd": 0.0}
+    table = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "| 2 | 0.500 | 2.000 | yes |" in table and "2/3" in table
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0

@@ -1,10 +1,12 @@
 """Two CPU processes (torchrun → accelerate → DDP over gloo) train exactly what one process trains.
 
 The two-process run goes through tests/ddp_driver.py, which saves every rank's trainable parameters.
-(a) the two ranks end with identical parameters; (b) they match a one-process run with the same global
-batch to float rounding, which is far below the size of the update itself. FlowRL's log Z head has
-dropout, whose draws depend on the process layout, so the LLM side is checked with `--algo grpo`.
+(a) the two ranks end with identical parameters; (b) they match a one-process run with the same
+global batch to float rounding, which is far below the size of the update itself. FlowRL's log Z
+head has dropout, whose draws depend on the process layout, so the LLM side is checked with `--algo
+grpo`.
 """
+
 import os
 import subprocess
 import sys
@@ -22,18 +24,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_and_load(tmp_path, name, processes, flags):
-    """Each rank's trainable parameters after `flags` ran in `processes` processes (1: in this process)."""
-    prefix, common_flags = tmp_path / name, ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"]
+    """Each rank's trainable parameters after `flags` ran in `processes` processes (1: in this
+    process)."""
+    prefix, common_flags = (
+        tmp_path / name,
+        ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"],
+    )
     if processes == 1:
         module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
         ddp_driver.optimizers.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.optim, "AdamW", ddp_driver.RecordingAdamW)
-            module.train(common.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
-        return [[p.detach().clone() for group in ddp_driver.optimizers[-1].param_groups for p in group["params"]]]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               str(ROOT / "tests" / "ddp_driver.py"), flags[0], str(prefix), *flags[1:], *common_flags]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+            module.train(
+                common.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags])
+            )
+        return [
+            [
+                p.detach().clone()
+                for group in ddp_driver.optimizers[-1].param_groups
+                for p in group["params"]
+            ]
+        ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        str(ROOT / "tests" / "ddp_driver.py"),
+        flags[0],
+        str(prefix),
+        *flags[1:],
+        *common_flags,
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(tmp_path / f"{name}.rank{rank}.pt") for rank in range(processes)]
 
@@ -42,21 +68,54 @@ def distance(a, b):
     return torch.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b))).item()
 
 
-@pytest.mark.parametrize("flags", [
-    ["flowrl", "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2", "--group-size", "16", "--eval-every", "100"],
-    ["flow_grpo", "--epochs", "2", "--prompts-per-epoch", "4", "--minibatches", "1", "--eval-per-prompt", "2",
-     "--eval-every", "100"],
-], ids=["flowrl-grpo", "flow_grpo"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "flowrl",
+            "--algo",
+            "grpo",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "16",
+            "--eval-every",
+            "100",
+        ],
+        [
+            "flow_grpo",
+            "--epochs",
+            "2",
+            "--prompts-per-epoch",
+            "4",
+            "--minibatches",
+            "1",
+            "--eval-per-prompt",
+            "2",
+            "--eval-every",
+            "100",
+        ],
+    ],
+    ids=["flowrl-grpo", "flow_grpo"],
+)
 def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, flags):
     if flags[0] == "flow_grpo":
         flags = [*flags, "--cache-dir", str(flow_grpo_cache)]
     (one,) = train_and_load(tmp_path, "one", 1, flags)
     rank0, rank1 = train_and_load(tmp_path, "two", 2, flags)
 
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks' parameters drifted apart"
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), (
+        "the ranks' parameters drifted apart"
+    )
     module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
     args = common.parse_args(module.Args, module.PRESETS, flags[1:])
-    initial = flowrl.build_toy(args)[1] if module is flowrl else flow_grpo.DigitsTask(args, torch.device("cpu")).policy
+    initial = (
+        flowrl.build_toy(args)[1]
+        if module is flowrl
+        else flow_grpo.DigitsTask(args, torch.device("cpu")).policy
+    )
     moved = distance(one, [p.detach() for p in initial.parameters() if p.requires_grad])
     assert moved > 1e-2, "training did not change the parameters; the comparison would be empty"
     assert distance(one, rank0) < 1e-4 * moved
@@ -65,6 +124,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, 
 def test_groups_must_split_evenly_over_processes():
     class TwoRanks:
         num_processes, process_index = 2, 1
+
     assert common.local_groups(4, TwoRanks()) == range(2, 4)
     with pytest.raises(SystemExit, match="do not split evenly over 2 processes"):
         common.local_groups(5, TwoRanks())

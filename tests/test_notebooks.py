@@ -1,4 +1,6 @@
-"""Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1); full-scale cells skip without a GPU."""
+"""Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1); full-scale cells skip
+without a GPU."""
+
 import os
 from pathlib import Path
 
@@ -19,7 +21,15 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     for name in os.listdir(path.parents[1]):
         if name.endswith(".py"):
             (tmp_path / name).symlink_to(path.parents[1] / name)
-    NotebookClient(book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
-    errors = [o for cell in book.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
+    NotebookClient(
+        book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    ).execute()
+    errors = [
+        o
+        for cell in book.cells
+        if cell.cell_type == "code"
+        for o in cell.outputs
+        if o.output_type == "error"
+    ]
     assert not errors
     assert len(NOTEBOOKS) == 4

