@@ -16,6 +16,7 @@ Equation map (paper → function):
     p*       π_ref·exp(β·r), exact on the toy by enumeration     → exact_metrics
     GRPO     −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), the baseline (`--algo grpo`)
                                                                 → grpo_loss
+    control  GRPO on r − log(π/π_ref)/(β·|y|), whose optimum is also p* (`--algo grpo-kl`)
 
 Deviations (numbered, on purpose):
     1. The toy uses the raw reward (`--reward-norm none`) so p* is exactly defined; the paper's r̂
@@ -28,10 +29,16 @@ Deviations (numbered, on purpose):
        a rescaled β).
     4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (FlowRL's log Z
        head).
-    5. The toy samples G = 64 per prompt (paper: 8). TB's gradient is −β∇E[r] + ∇KL(π‖π_ref)/|y|:
-       the KL part pulls toward π_ref on every sample while the reward part speaks only on rare
-       hits, so with G = 16 the sampled gradient is noise-dominated and the policy does not move in
-       300 steps (measured); with G = 64 it converges. GRPO gets the same rollout budget.
+    5. The toy samples G = 64 per prompt (paper: 8) for 500 batches. At π = π_ref the KL part of
+       TB's expected gradient, −β∇E[r] + ∇KL(π‖π_ref)/|y|, is zero, so the first updates are
+       REINFORCE on β·r with log Z as the baseline, and at β = 1 with 7% of samples rewarded that
+       signal is weak: measured, the policy stays near π_ref for 100–175 batches before it moves,
+       and after 300 batches the KL to p* ranged 0.08–0.31 over four seeds. Every arm gets the same
+       rollout budget.
+    6. `--algo grpo-kl`, a control the paper does not run: GRPO on the sequence-level regularised
+       reward r − log(π_old(y|x)/π_ref(y|x))/(β·|y|). Its optimum is the same p* (maximising E[r] −
+       KL(π‖π_ref)/(β·|y|) gives π ∝ π_ref·exp(β·|y|·r)), so it separates "match a target" from
+       "match it with trajectory balance".
 
 Toy (default, CPU, about a minute each):
     python flowrl.py            python flowrl.py --algo grpo

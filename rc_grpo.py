@@ -110,7 +110,7 @@ class Args:
     )
     toy_tasks: int = common.arg(240, "toy: training tasks")
     toy_test_tasks: int = common.arg(200, "toy: held-out tasks")
-    rare_share: float = common.arg(0.3, "toy: share of tasks whose file is not in `docs`")
+    rare_share: float = common.arg(0.15, "toy: share of tasks whose file is not in `docs`")
     lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = common.arg(
         4096,
