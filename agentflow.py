@@ -1,7 +1,7 @@
 """AgentFlow's Flow-GRPO: train the planner inside a planner/executor/verifier/generator loop.
 
 Paper: "AgentFlow: In-the-Flow Agentic System Optimization for Effective Planning and Tool Use",
-Li et al. 2025, arXiv 2510.05592. Official code: lupantech/AgentFlow.
+Li et al. 2025, arXiv 2510.05592 ("official" below = the authors' released code).
 NOT the image "Flow-GRPO" (Liu et al. 2025, arXiv 2505.05470), which turns a flow-matching ODE into
 an SDE: that algorithm is flow_grpo.py. Same name, unrelated method.
 
@@ -35,12 +35,14 @@ Deviations (numbered, on purpose):
        a local corpus and the base model, instead of web search, Wikipedia and a hosted coder; the
        verifier sees the whole memory.
 
-Toy (default, CPU, a few minutes):
-    python agentflow.py
+Toy (CPU, about 2 minutes for both credit arms; docs/agentflow.md):
+    python agentflow.py               # held-out accuracy ~0.57 → ~0.97; final-turn credit ~0.35
+    python agentflow.py --seeds 0-4   # the same on five seeds, one table
 Full scale (one GPU):
-    python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl
-N GPUs (DDP, README):
+    python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
+N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N agentflow.py --preset full ...
+Load the trained planner: PeftModel.from_pretrained(base, "runs/agentflow/planner") (full preset).
 """
 
 import copy
@@ -119,6 +121,9 @@ class Args:
         ["auto", "cpu"],
     )
     quiet: bool = common.arg(False, "no per-step lines or progress bar")
+    report_to: str = common.arg(
+        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
+    )
     save_every: int = common.arg(20, "steps between checkpoints (0 = never)")
     resume: bool = common.arg(False, "continue each arm from its checkpoint.safetensors")
 

@@ -105,7 +105,7 @@ def gaussian_logprob(x, mean, std):
 
     Averaging (the official Flow-GRPO choice, inherited from DDPO; Flow-GRPO's averaged log-prob)
     makes the ratio a per-dimension geometric mean, so a sensible clip range is tiny (1e-4 for SD3,
-    not 0.2); summing over 64×64×16 latent dims gives ratios that overflow (official issue #143).
+    not 0.2); summing over 64×64×16 latent dims gives ratios that overflow.
     """
     x, mean = x.float(), mean.float()
     std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
@@ -627,7 +627,8 @@ def training_autocast(device):
 
 class RunLogger:
     """Writes config.json, metrics.jsonl (one line per step), summary.json and PNG curves under
-    out_dir; shows a tqdm bar and one compact stdout line per logged step."""
+    out_dir; shows a tqdm bar and one compact stdout line per logged step. With
+    config["report_to"] == "tensorboard" the same numbers also go to out_dir/tensorboard."""
 
     def __init__(self, out_dir, config, total_steps, desc, quiet=False, main_process=True):
         from tqdm import tqdm
@@ -646,6 +647,11 @@ class RunLogger:
             total=total_steps, desc=desc, disable=self.quiet, leave=False, file=sys.stderr
         )
         self.start = time.time()
+        self.tensorboard = None
+        if main_process and config.get("report_to") == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(self.out_dir / "tensorboard"))
         if not self.quiet:
             print(f"[{desc}] config: {json.dumps(config, default=str)}")
 
@@ -654,6 +660,11 @@ class RunLogger:
         self.records.append(record)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
+        if self.tensorboard:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
         self.bar.update(step - self.bar.n)
         if not self.quiet:
             line = " | ".join(
@@ -675,6 +686,8 @@ class RunLogger:
         records."""
         self.bar.close()
         self.metrics_file.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         import resource
 
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

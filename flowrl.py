@@ -1,7 +1,7 @@
 """FlowRL: matching the reward distribution with trajectory balance and a learned log Z(x).
 
 Paper: "FlowRL: Matching Reward Distributions for LLM Reasoning", Zhu et al. 2025, arXiv 2509.15207.
-Official code: Xuekai-Zhu/FlowRL (a verl fork).
+"The original code" below is the authors' release (a verl fork).
 
 Reward maximisers (PPO, GRPO) pile their mass onto the single best mode. FlowRL instead fits the
 target p*(y|x) ∝ π_ref(y|x)·exp(β·r(x,y)) by minimising KL(π_θ‖p*); in expected gradient that KL
@@ -22,7 +22,7 @@ Deviations (numbered, on purpose):
     1. The toy uses the raw reward (`--reward-norm none`) so p* is exactly defined; the paper's r̂
        is the group-normalised reward (`--reward-norm group`, the full preset's default).
     2. w clips the sequence ratio to [1−ε, 1+ε] as the paper writes; the original code used it
-       unclipped (its clipped copy was unused, issues #14/#15). Clipping bounds the weight of stale
+       unclipped (its clipped copy was computed but unused). Clipping bounds the weight of stale
        samples.
     3. With length-normalised log-probs the TB fixed point is π ∝ π_ref·exp(β·|y|·r); the toy's
        responses all have |y| = 3, so its exact target uses β·|y| (the family of Proposition 1 with
@@ -110,6 +110,9 @@ class Args:
         ["auto", "cpu"],
     )
     quiet: bool = common.arg(False, "no per-step lines or progress bar")
+    report_to: str = common.arg(
+        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
+    )
     save_every: int = common.arg(50, "steps between checkpoints (0 = never)")
     resume: bool = common.arg(False, "continue from out_dir/checkpoint.safetensors")
 

@@ -129,6 +129,9 @@ class Args:
         ["auto", "cpu"],
     )
     quiet: bool = common.arg(False, "no per-step lines or progress bar")
+    report_to: str = common.arg(
+        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
+    )
     save_every: int = common.arg(10, "GRPO steps between checkpoints (0 = never)")
     resume: bool = common.arg(
         False,

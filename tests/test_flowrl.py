@@ -266,3 +266,16 @@ def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
         )
         with pytest.raises(SystemExit, match=message):
             flowrl.train(args)
+
+
+def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flowrl.train(
+        toy_args(tmp_path, "--steps", "2", "--group-size", "4", "--report-to", "tensorboard")
+    )
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [(e.step, e.value) for e in events.Scalars("reward")]
+    assert rewards == [(r["step"], pytest.approx(r["reward"])) for r in logged]
