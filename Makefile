@@ -18,6 +18,7 @@ $(VENV)/.installed: requirements.txt
 demo: $(VENV)/.installed
 	$(PY) flowrl.py --quiet
 	$(PY) flowrl.py --quiet --algo grpo
+	$(PY) flowrl.py --quiet --algo grpo-kl
 	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
 	$(PY) flow_grpo.py --quiet
 	$(PY) agentflow.py --quiet

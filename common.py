@@ -950,6 +950,15 @@ DEMO_ROWS = [
         ),
     ),
     (
+        "flowrl-grpo-kl",
+        lambda s: (
+            "flowrl-grpo-kl",
+            "GRPO-KL control (same target): KL goes down",
+            f"{s['before']['kl_policy_to_target']:.3f} → {s['kl_policy_to_target']:.3f}",
+            s["wall_seconds"],
+        ),
+    ),
+    (
         "flow_grpo",
         lambda s: (
             "flow_grpo",

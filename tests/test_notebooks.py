@@ -1,5 +1,5 @@
-"""Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1); full-scale cells skip
-without a GPU."""
+"""Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1), every cell tagged
+"figure" draws one, and full-scale cells only print their command without a GPU."""
 
 import os
 from pathlib import Path
@@ -32,4 +32,12 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
         if o.output_type == "error"
     ]
     assert not errors
+    # every cell tagged "figure" must have drawn one (a backend change can silently blank plots)
+    figure_cells = [c for c in book.cells if "figure" in c.metadata.get("tags", [])]
+    blank = [
+        c.source[:60]
+        for c in figure_cells
+        if not any("image/png" in o.get("data", {}) for o in c.outputs)
+    ]
+    assert figure_cells and not blank, blank
     assert len(NOTEBOOKS) == 4
