@@ -42,7 +42,8 @@ Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N agentflow.py --preset full ...
-Load the trained planner: PeftModel.from_pretrained(base, "runs/agentflow/planner") (full preset).
+Sample from the trained planner (full preset; a LoRA adapter on --model):
+    python common.py sample runs/agentflow/planner "Question: ... Plan the next step."
 """
 
 import copy

@@ -49,7 +49,8 @@ Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N flowrl.py --preset full ...
-Load the trained policy (full preset): AutoModelForCausalLM.from_pretrained("runs/flowrl/policy").
+Sample from the trained policy (full preset; a plain causal LM folder, no log Z head):
+    python common.py sample runs/flowrl/policy "What is 7 + 5?"
 """
 
 import copy

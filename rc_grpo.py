@@ -50,7 +50,8 @@ Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N rc_grpo.py --preset bfcl
-Load a trained arm (bfcl preset): PeftModel.from_pretrained(base, "runs/rc_grpo/<arm>/policy").
+Sample from a trained arm (bfcl preset; a LoRA adapter on --model):
+    python common.py sample runs/rc_grpo/rctp+rc-grpo/policy "List the files here."
 """
 
 import ast

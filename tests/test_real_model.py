@@ -194,3 +194,27 @@ def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
     lora_b = max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k)
     step = json.loads((tmp_path / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()[0])
     assert (lora_b > 0) if step["zero_var_frac"] < 1 else lora_b == 0
+
+
+def test_sample_command_prints_what_the_saved_model_writes(smollm2, tmp_path):
+    """`python common.py sample FOLDER PROMPT` (greedy) prints the same completion as
+    sample_completions on the chat-formatted prompt; a folder without a model is one clear line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = [sys.executable, "common.py", "sample"]
+    done = subprocess.run(
+        [*run, str(smollm2), "What is 2 + 2?", "--max-new-tokens", "8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
+    )
+    ((text, _, _),) = common.sample_completions(model, tokenizer, [prompt], 8, temperature=0.0)
+    assert text.strip() and done.stdout.strip() == text.strip()
+    missing = subprocess.run([*run, str(tmp_path), "hi"], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode != 0 and "holds no saved model" in missing.stderr
