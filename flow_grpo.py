@@ -54,7 +54,10 @@ Full scale (one GPU, SD3.5-Medium, PickScore):
     python flow_grpo.py --preset sd3 --prompts train.txt --eval-prompts test.txt
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N flow_grpo.py --preset sd3 ...
-Load the trained LoRA (sd3 preset): `pipe.load_lora_weights("runs/flow_grpo/lora")`.
+Sample from the trained LoRA (sd3 preset), in Python (the tests reload it the same way):
+    pipe = StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
+    pipe.to("cuda").load_lora_weights("runs/flow_grpo/lora")
+    pipe("a red bicycle", num_inference_steps=40, guidance_scale=4.5).images[0].save("out.png")
 """
 
 import contextlib
