@@ -29,10 +29,10 @@ def generation_throughput(hidden, batch, new_tokens=64):
     with torch.no_grad():
         common.sample_completions(model, tokenizer, prompts[:2], 4, stop_at_eos=False)  # warm-up
         start = time.time()
-        seq, _, mask, _ = common.sample_completions(
+        completions = common.sample_completions(
             model, tokenizer, prompts, new_tokens, stop_at_eos=False
         )
-    return mask.sum().item() / (time.time() - start)
+    return sum(len(ids) for _, ids, _ in completions) / (time.time() - start)
 
 
 def peak_rss_mib(script):

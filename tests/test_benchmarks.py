@@ -1,5 +1,5 @@
-"""The GPU check is only run for real on a GPU, so its code path is exercised here with tiny
-configs."""
+"""The benchmarks' code paths, at tiny sizes: the GPU check (run for real only on a GPU) and the
+rollout-throughput measurement."""
 
 import json
 import subprocess
@@ -21,3 +21,10 @@ def test_gpu_check_runs_with_tiny_configs_on_cpu():
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["preset"] for r in rows] == ["tiny-full", "tiny-lora", "sd3.5-medium+lora"]
     assert all(r.get("train_tokens_per_s", r.get("update_images_per_s", 0)) > 0 for r in rows)
+
+
+def test_rollout_throughput_counts_the_generated_tokens():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rollouts_and_memory
+
+    assert rollouts_and_memory.generation_throughput(64, 2, new_tokens=4) > 0
