@@ -785,25 +785,34 @@ def seed_sweep(train, args, arms, row, claim, out_dir):
     result = {"seeds": seeds, "rows": rows, "stats": stats, "claim_holds_on": holds}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(result, indent=2))
+    table = sweep_table(result)
+    (out_dir / "sweep.md").write_text(table + "\n")
+    plot_sweep(values, seeds, out_dir / "sweep.png", f"{out_dir.name}: {holds}/{len(rows)} seeds")
+    print(table)
+    return result
+
+
+def sweep_table(result):
+    """The sweep as a markdown table: one row per seed (counts as integers, the rest to 3 decimals),
+    then mean ± sd per column and on how many seeds the claim held."""
+    rows, stats = result["rows"], result["stats"]
+    columns = [k for k in rows[0] if k not in ("seed", "claim_holds")]
     lines = [
         "| seed | " + " | ".join(columns) + " | claim holds |",
         "|---" * (len(columns) + 2) + "|",
     ]
     lines += [
         f"| {r['seed']} | "
-        + " | ".join(f"{r[c]:.3f}" for c in columns)
+        + " | ".join(str(r[c]) if isinstance(r[c], int) else f"{r[c]:.3f}" for c in columns)
         + f" | {'yes' if r['claim_holds'] else 'no'} |"
         for r in rows
     ]
     lines.append(
         "| mean ± sd | "
         + " | ".join(f"{stats[c]['mean']:.3f} ± {stats[c]['sd']:.3f}" for c in columns)
-        + f" | {holds}/{len(rows)} |"
+        + f" | {result['claim_holds_on']}/{len(rows)} |"
     )
-    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
-    plot_sweep(values, seeds, out_dir / "sweep.png", f"{out_dir.name}: {holds}/{len(rows)} seeds")
-    print("\n".join(lines))
-    return result
+    return "\n".join(lines)
 
 
 def plot_sweep(values, seeds, path, title):
