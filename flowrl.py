@@ -53,10 +53,12 @@ Sample from the trained policy (full preset; a plain causal LM folder, no log Z 
     python common.py sample runs/flowrl/policy "What is 7 + 5?"
 """
 
+import collections
 import copy
 import dataclasses
 import itertools
 import json
+import re
 
 from pathlib import Path
 
@@ -77,8 +79,14 @@ class Args:
         "r − log(π/π_ref)/(β·|y|), the KL-regularised control with FlowRL's target",
         ["flowrl", "grpo", "grpo-kl"],
     )
-    model: str = common.arg("", "HF model id or path ('' = tiny toy LM)")
-    data: str = common.arg("", "JSONL of {prompt|problem, answer} ('' = toy task)")
+    task: str = common.arg(
+        "valleys",
+        "valleys: the exact toy; math: --data JSONL (full preset); addition, numbers: tasks a "
+        "real chat model already sometimes solves (the smollm2 presets)",
+        ["valleys", "math", "addition", "numbers"],
+    )
+    model: str = common.arg("", "HF model id, a path, or smollm2 (bundled); '' = the toy's tiny LM")
+    data: str = common.arg("", "JSONL of {prompt|problem, answer} for --task math")
     eval_data: str = common.arg("", "JSONL for Avg@k evaluation (full preset)")
     steps: int = common.arg(500, "rollout batches")
     prompts_per_step: int = common.arg(4, "B, prompts per rollout batch")
@@ -97,6 +105,9 @@ class Args:
     eval_temperature: float = common.arg(0.6, "Avg@k temperature (paper: 0.6)")
     eval_k: int = common.arg(4, "k of Avg@k (paper: 16)")
     eval_every: int = common.arg(25, "steps between evaluations")
+    spread_samples: int = common.arg(
+        64, "numbers task: samples per question for the answer spread at the start and the end"
+    )
     lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = common.arg(
         4096,
@@ -128,6 +139,7 @@ class Args:
 # > 1.
 PRESETS = {
     "full": dict(
+        task="math",
         model="Qwen/Qwen2.5-1.5B-Instruct",
         steps=200,
         prompts_per_step=8,
@@ -143,7 +155,37 @@ PRESETS = {
         micro_batch_tokens=8192,
         gen_batch=16,
         gradient_checkpointing=True,
-    )
+    ),
+    # A real pretrained model on a laptop CPU: SmolLM2-135M-Instruct (bundled by a registry package,
+    # no download), full fine-tuning in fp32, 4 questions × G 8 per step. Greedy accuracy on the 64
+    # held-out sums is Avg@1 at T = 0.
+    "smollm2-addition": dict(
+        task="addition",
+        model="smollm2",
+        steps=25,
+        prompts_per_step=4,
+        group_size=8,
+        inner_steps=1,
+        max_new_tokens=12,
+        lr=3e-6,
+        eval_k=1,
+        eval_temperature=0.0,
+        eval_every=5,
+    ),
+    "smollm2-numbers": dict(
+        task="numbers",
+        model="smollm2",
+        steps=16,
+        prompts_per_step=4,
+        group_size=8,
+        inner_steps=1,
+        max_new_tokens=10,
+        beta=1.0,
+        reward_norm="none",
+        lr=3e-6,
+        logz_lr=1e-3,
+        eval_every=1000,
+    ),
 }
 
 
@@ -156,19 +198,26 @@ VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every o
 
 @dataclasses.dataclass
 class Task:
-    """Prompts and how a completion of prompt i is scored: the toy's reward table, or math
-    answers."""
+    """Prompts and what each is scored against: the toy's reward table ({answer text: reward}), a
+    math answer, or the set of correct integers (the `--task` names the kind)."""
 
+    kind: str
     prompts: list
-    reward_table: list = None  # toy: {answer text: reward} per prompt
-    answers: list = None  # full scale: the reference answer per prompt
-    # full scale: (prompt, answer) for Avg@k
-    eval_rows: list = dataclasses.field(default_factory=list)
+    answers: list
+    eval_rows: list = dataclasses.field(default_factory=list)  # (prompt, answer) for Avg@k
 
     def reward(self, i, text):
-        if self.reward_table is not None:
-            return self.reward_table[i].get(text.strip(), 0.0)
-        return math_reward(text, self.answers[i])
+        return score(self.kind, text, self.answers[i])
+
+
+def score(kind, text, answer):
+    """r(x, y): the toy's table entry, math-verify's verdict, or whether the reply ends on a
+    correct integer."""
+    if kind == "valleys":
+        return answer.get(text.strip(), 0.0)
+    if kind == "math":
+        return math_reward(text, answer)
+    return integer_reward(text, answer)
 
 
 def toy_reward_table(seed):
@@ -222,7 +271,7 @@ def build_toy(args):
                 task_type="CAUSAL_LM",
             ),
         )
-    return tokenizer, model, Task(TOY_PROMPTS, reward_table=table)
+    return tokenizer, model, Task("valleys", TOY_PROMPTS, table)
 
 
 # ----------------------------------------------------------------------------- the full-scale task
@@ -262,31 +311,77 @@ def load_math_jsonl(path):
     return rows
 
 
+def chat_prompt(tokenizer, question):
+    """The user turn through the model's chat template (plain text + newline when it has none)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+    return question + "\n"
+
+
 def build_full(args, device):
-    """HF causal LM (optionally LoRA) + the math task; prompts use the chat template when there is
-    one."""
+    """HF causal LM (optionally LoRA) + the math task."""
     tokenizer, model = common.load_causal_lm(
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
     )
-    rows = load_math_jsonl(args.data)
-
-    def render(question):
-        if tokenizer.chat_template:
-            return tokenizer.apply_chat_template(
-                [{"role": "user", "content": question + MATH_SUFFIX}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        return question + MATH_SUFFIX + "\n"
-
+    rows = [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.data)]
     eval_rows = (
-        [(render(q), a) for q, a in load_math_jsonl(args.eval_data)] if args.eval_data else []
+        [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.eval_data)]
+        if args.eval_data
+        else []
     )
-    return (
-        tokenizer,
-        model,
-        Task([render(q) for q, _ in rows], answers=[a for _, a in rows], eval_rows=eval_rows),
+    return tokenizer, model, Task("math", [p for p, _ in rows], [a for _, a in rows], eval_rows)
+
+
+# ----------------------------------------------------------------------------- the laptop tasks
+
+REPLY = " Reply with only the number."
+# Many correct answers each. SmolLM2-135M-Instruct starts at 10–35% success and a few distinct
+# answers per question (its favourites: 7, 5, 4).
+NUMBER_QUESTIONS = {
+    "a prime number less than 30": {2, 3, 5, 7, 11, 13, 17, 19, 23, 29},
+    "a multiple of 5 between 1 and 50": set(range(5, 50, 5)),
+    "a perfect square less than 100": {n * n for n in range(1, 10)},
+    "a multiple of 7 less than 100": set(range(7, 100, 7)),
+}
+
+
+def last_integer(text):
+    """The last integer written in the reply, or None."""
+    found = re.findall(r"-?\d+", text)
+    return int(found[-1]) if found else None
+
+
+def integer_reward(text, correct):
+    """1 if the reply's last integer is a correct answer, else 0 (a reply that explains itself
+    still counts when it ends on the answer)."""
+    return float(last_integer(text) in correct)
+
+
+def build_laptop(args, device):
+    """A real chat model and a task it already sometimes solves, asked through its chat template.
+
+    addition: "What is a + b?" for one-digit a, b — 36 pairs to train on, the other 64 held out for
+    greedy accuracy (the same split on every seed). numbers: NUMBER_QUESTIONS, every one with many
+    correct answers."""
+    tokenizer, model = common.load_causal_lm(
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
     )
+    if args.task == "addition":
+        order = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+        rows = [
+            (chat_prompt(tokenizer, f"What is {j // 10} + {j % 10}?" + REPLY), {j // 10 + j % 10})
+            for j in order
+        ]
+        return (
+            tokenizer,
+            model,
+            Task("addition", [p for p, _ in rows[:36]], [a for _, a in rows[:36]], rows[36:]),
+        )
+    questions = list(NUMBER_QUESTIONS)
+    prompts = [chat_prompt(tokenizer, f"What is {q}?" + REPLY) for q in questions]
+    return tokenizer, model, Task("numbers", prompts, [NUMBER_QUESTIONS[q] for q in questions])
 
 
 # ----------------------------------------------------------------------------- the algorithm
@@ -388,11 +483,11 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
 
 
 @torch.no_grad()
-def avg_at_k(model, tokenizer, eval_rows, args):
+def avg_at_k(model, tokenizer, task, args):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's
-    setup)."""
-    prompts = [prompt for prompt, _ in eval_rows for _ in range(args.eval_k)]
-    answers = [answer for _, answer in eval_rows for _ in range(args.eval_k)]
+    setup); with k = 1 at T = 0 it is greedy accuracy."""
+    prompts = [prompt for prompt, _ in task.eval_rows for _ in range(args.eval_k)]
+    answers = [answer for _, answer in task.eval_rows for _ in range(args.eval_k)]
     samples = common.sample_completions(
         model,
         tokenizer,
@@ -402,9 +497,36 @@ def avg_at_k(model, tokenizer, eval_rows, args):
         batch_rows=args.gen_batch,
     )
     return {
-        "avg_at_k": sum(math_reward(text, a) for (text, _, _), a in zip(samples, answers))
+        "avg_at_k": sum(score(task.kind, text, a) for (text, _, _), a in zip(samples, answers))
         / len(samples)
     }
+
+
+@torch.no_grad()
+def answer_spread(model, tokenizer, task, args):
+    """Where the correct answers go: `spread_samples` replies per question at T = 1 → success rate,
+    distinct correct answers (summed over questions), and the entropy (nats) of the correct answers'
+    empirical distribution, averaged over questions. A reward maximiser may pile onto one answer
+    per question (entropy → 0); p* ∝ π_ref·exp(β·r) keeps π_ref's spread over the correct ones.
+    Seeded per question, so every arm of a seed starts from the same measurement."""
+    out = {"spread_reward": 0.0, "distinct_correct": 0, "correct_entropy": 0.0, "counts": []}
+    for i, prompt in enumerate(task.prompts):
+        torch.manual_seed(common.sampling_seed(args.seed, 0, i))  # step 0: never a training step
+        replies = common.sample_completions(
+            model,
+            tokenizer,
+            [prompt] * args.spread_samples,
+            args.max_new_tokens,
+            batch_rows=args.gen_batch,
+        )
+        correct = [n for n in (last_integer(t) for t, _, _ in replies) if n in task.answers[i]]
+        counts = collections.Counter(correct)
+        share = torch.tensor(list(counts.values()), dtype=torch.float) / max(1, len(correct))
+        out["spread_reward"] += len(correct) / len(replies) / len(task.prompts)
+        out["distinct_correct"] += len(counts)
+        out["correct_entropy"] += -(share * share.log()).sum().item() / len(task.prompts)
+        out["counts"].append({str(n): c for n, c in sorted(counts.items())})
+    return out
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -450,9 +572,15 @@ def validate(args):
             ),
             (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
             (
-                bool(args.model) == bool(args.data),
-                "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy",
+                (args.task == "math") == bool(args.data),
+                "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
             ),
+            (
+                (args.task == "valleys") != bool(args.model),
+                f"--task {args.task} needs --model (or a preset: full, smollm2-addition, "
+                "smollm2-numbers); the valleys toy builds its own model",
+            ),
+            (args.spread_samples >= 1, "--spread-samples must be ≥ 1"),
         ]
     )
 
@@ -463,9 +591,14 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
-    tokenizer, model, task = build_full(args, device) if args.model else build_toy(args)
+    if args.task == "valleys":
+        tokenizer, model, task = build_toy(args)
+    elif args.task == "math":
+        tokenizer, model, task = build_full(args, device)
+    else:
+        tokenizer, model, task = build_laptop(args, device)
     model.to(device)
-    toy = task.reward_table is not None
+    toy = args.task == "valleys"
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights .
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     head = LogZHead(model.config.hidden_size).to(device)
@@ -480,7 +613,8 @@ def train(args):
     train_model = accelerator.prepare(model)
     train_head = accelerator.prepare(head) if args.algo == "flowrl" else head
     mine = common.local_groups(args.prompts_per_step, accelerator)
-    out_dir = Path(args.out_dir or f"runs/flowrl{'' if args.algo == 'flowrl' else '-' + args.algo}")
+    name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
+    out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
     logger = common.RunLogger(
         out_dir,
         dataclasses.asdict(args) | {"preset": args.preset},
@@ -497,7 +631,9 @@ def train(args):
         metrics = (
             exact_metrics(model, ref_model, tokenizer, task, args.beta)
             if toy
-            else avg_at_k(model, tokenizer, task.eval_rows, args)
+            else answer_spread(model, tokenizer, task, args)
+            if args.task == "numbers"
+            else avg_at_k(model, tokenizer, task, args)
             if task.eval_rows
             else {}
         )
@@ -631,10 +767,10 @@ def train(args):
             **stats,
         }
         if step % args.eval_every == 0 and step < args.steps:
-            record |= {k: v for k, v in evaluate().items() if k != "dists"}
+            record |= scalars(evaluate())
         if step == args.steps:
             final = evaluate()
-            record |= {k: v for k, v in final.items() if k != "dists"}
+            record |= scalars(final)
         logger.log(step, **record)
         if args.save_every and step % args.save_every == 0 and accelerator.is_main_process:
             common.save_training_state(
@@ -657,24 +793,46 @@ def train(args):
         "sampler_logprob_max_dev": sampler_dev,
         "before": {k: v for k, v in first.items() if k != "dists"},
     }
+    plots = [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if toy and final:
         plot_valleys(final["dists"][0], out_dir / "valleys.png", args.algo)
-    plots = (
-        [
-            (
-                "kl.png",
-                ["kl_policy_to_target", "kl_target_to_policy"],
-                f"{args.algo}: exact KL to p*",
-            ),
-            ("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward"),
-        ]
-        if toy
-        else [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
-    )
+        plots.append(
+            ("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL")
+        )
+    if args.task == "numbers" and final and accelerator.is_main_process:
+        plot_answer_counts(first["counts"], final["counts"], out_dir / "answers.png", args.algo)
+    if task.eval_rows:
+        plots.append(("eval.png", ["avg_at_k"], f"{args.algo}: Avg@{args.eval_k}"))
     if not toy and accelerator.is_main_process:
         model.save_pretrained(out_dir / "policy")  # the log Z head stays out of the exported model
         tokenizer.save_pretrained(out_dir / "policy")
     return logger.finish(summary, plots)
+
+
+def scalars(metrics):
+    """The numbers among an evaluation's results (what metrics.jsonl logs per step)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def plot_answer_counts(before, after, path, algo):
+    """One panel per question: how often each correct answer was sampled, at the start and at the
+    end (answer_spread's counts)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3 * len(before), 2.8), dpi=100)
+    for ax, question, start, end in zip(
+        fig.subplots(1, len(before)), NUMBER_QUESTIONS, before, after
+    ):
+        answers = sorted({*start, *end}, key=int)
+        xs = torch.arange(len(answers)).numpy()
+        ax.bar(xs - 0.2, [start.get(a, 0) for a in answers], 0.4, label="start")
+        ax.bar(xs + 0.2, [end.get(a, 0) for a in answers], 0.4, label=f"{algo} end")
+        ax.set_xticks(xs, answers, fontsize=7)
+        ax.set_title(question, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.supylabel("correct samples", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def plot_valleys(dist, path, algo, top=16):
@@ -738,9 +896,74 @@ def claim_holds(row):
     return row["kl_flowrl"] <= 0.2 and 10 * row["kl_flowrl"] <= row["kl_grpo"]
 
 
+SPREAD_ARMS = [("flowrl", {"algo": "flowrl"}), ("grpo", {"algo": "grpo"})]
+
+
+def spread_row(summaries):
+    """One seed of the numbers task: success rate, distinct correct answers and their entropy at
+    the start (the same for both arms) and at the end of each arm."""
+    row = {}
+    for metric, short in [
+        ("spread_reward", "reward"),
+        ("distinct_correct", "distinct"),
+        ("correct_entropy", "entropy"),
+    ]:
+        row[f"{short}_start"] = summaries["flowrl"]["before"][metric]
+        row |= {f"{short}_{name}": summaries[name][metric] for name, _ in SPREAD_ARMS}
+    return row
+
+
+def spread_claim(row):
+    """FlowRL's claim on real text: the reward goes up and the correct answers stay more spread
+    (higher entropy) than under GRPO."""
+    return (
+        row["reward_flowrl"] > row["reward_start"] and row["entropy_flowrl"] > row["entropy_grpo"]
+    )
+
+
+def plot_spread_comparison(sweep_dir):
+    """The numbers sweep in one figure: each arm's reward per step (one line per seed), then the
+    distinct correct answers and their entropy at the start and at each arm's end (one dot per
+    seed)."""
+    from matplotlib.figure import Figure
+
+    sweep = json.loads((Path(sweep_dir) / "sweep.json").read_text())
+    fig = Figure(figsize=(11, 3.2), dpi=100)
+    curves, distinct, entropy = fig.subplots(1, 3)
+    for color, (name, _) in zip(["C0", "C1"], SPREAD_ARMS):
+        for seed in sweep["seeds"]:
+            path = Path(sweep_dir) / f"seed{seed}" / name / "metrics.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            label = name if seed == sweep["seeds"][0] else None
+            curves.plot([r["step"] for r in rows], [r["reward"] for r in rows], color, label=label)
+    curves.set(title="rollout reward", xlabel="step")
+    curves.legend(fontsize=8)
+    for ax, short, title in [
+        (distinct, "distinct", "distinct correct answers"),
+        (entropy, "entropy", "entropy of correct answers (nats)"),
+    ]:
+        for x, column in enumerate(["start", *(name for name, _ in SPREAD_ARMS)]):
+            values = [row[f"{short}_{column}"] for row in sweep["rows"]]
+            ax.plot([x] * len(values), values, "o", alpha=0.6)
+            ax.hlines(sum(values) / len(values), x - 0.2, x + 0.2, color="gray")
+        ax.set_xticks(range(3), ["start", *(name for name, _ in SPREAD_ARMS)])
+        ax.set_title(title, fontsize=9)
+    fig.suptitle(
+        f"SmolLM2-135M, FlowRL vs GRPO: claim holds on {sweep['claim_holds_on']}/"
+        f"{len(sweep['rows'])} seeds",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(Path(sweep_dir) / "comparison.png")
+
+
 if __name__ == "__main__":
     args = common.parse_args(Args, PRESETS)
-    if args.seeds:
+    if args.seeds and args.task == "numbers":
+        sweep_dir = args.out_dir or "runs/flowrl-numbers-sweep"
+        common.seed_sweep(train, args, SPREAD_ARMS, spread_row, spread_claim, sweep_dir)
+        plot_spread_comparison(sweep_dir)
+    elif args.seeds:
         sweep_dir = args.out_dir or "runs/flowrl-sweep"
         common.seed_sweep(train, args, SWEEP_ARMS, sweep_row, claim_holds, sweep_dir)
     else:

@@ -976,6 +976,19 @@ def evaluate(world, entries, token, args, temperature=0.0):
     return sum(bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs) / len(runs)
 
 
+def format_calls(world, entry, token, args):
+    """What the policy calls on one entry, turn by turn (greedy, under `token`), beside the
+    expected calls: the before/after view of rollouts.txt."""
+    (run,) = run_rollouts(world, [entry], [token], 0.0, args)
+    lines = [f"{entry['id']} (token {token}): reward {run['reward']:.0f}"]
+    for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
+        asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""
+        lines.append(f"  turn {turn}: user {asked[:100]!r}")
+        lines.append(f"    called   {calls or '(no call)'}")
+        lines.append(f"    expected {expected}")
+    return "\n".join(lines)
+
+
 def grpo_arm(
     args, world, train_model, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator
 ):
@@ -1149,6 +1162,7 @@ def train(args):
     states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
     rare_test = [e for e in world.test if e.get("rare")]
     summary = {"base_accuracy": evaluate(world, world.test, None, args)}
+    shown = ["base model:\n" + format_calls(world, world.test[0], None, args)]
     needed = {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
         expert = [
@@ -1226,6 +1240,7 @@ def train(args):
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
             result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)
+        shown.append(f"after {arm}:\n" + format_calls(world, world.test[0], token, args))
         summary[arm] = logger.finish(
             result,
             [
@@ -1251,6 +1266,7 @@ def train(args):
             "fraction",
         )
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out_dir / "rollouts.txt").write_text("\n\n".join(shown) + "\n")
     if not args.quiet:
         print(results_table(summary, arms))
     return summary

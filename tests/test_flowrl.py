@@ -224,6 +224,9 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
         (["--lr", "-1"], "--lr"),
         (["--clip-eps", "0"], "--clip-eps"),
         (["--preset", "full", "--data", ""], "needs --data"),
+        (["--task", "numbers"], "needs --model"),
+        (["--model", "smollm2"], "valleys toy builds its own model"),
+        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none"),
     ],
 )
 def test_bad_flags_get_one_clear_message(tmp_path, argv, message):
@@ -279,3 +282,124 @@ def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [(e.step, e.value) for e in events.Scalars("reward")]
     assert rewards == [(r["step"], pytest.approx(r["reward"])) for r in logged]
+
+
+# ----------------------------------------------------------------------------- the laptop tasks
+
+
+@pytest.mark.parametrize(
+    "reply, correct, reward",
+    [
+        ("7", {7}, 1.0),
+        ("3 + 4 = 7.", {7}, 1.0),
+        ("A prime number less than 30 is 29", {29, 2}, 1.0),
+        ("A multiple of 7 less than 100", set(range(7, 100, 7)), 0.0),  # ends on 100
+        ("seven", {7}, 0.0),
+        ("", {7}, 0.0),
+    ],
+)
+def test_integer_reward_scores_the_last_integer_of_the_reply(reply, correct, reward):
+    assert flowrl.integer_reward(reply, correct) == reward
+
+
+def test_answer_spread_counts_distinct_correct_answers_and_their_entropy(monkeypatch):
+    replies = {0: ["2", "It is 3", "3", "2", "4"], 1: ["5", "5", "x", "5", "5"]}
+    calls = iter([0, 1])
+
+    def fake_sample(model, tokenizer, prompts, *args, **kwargs):
+        return [(text, [], None) for text in replies[next(calls)]]
+
+    monkeypatch.setattr(common, "sample_completions", fake_sample)
+    task = flowrl.Task("numbers", ["p0", "p1"], [{2, 3, 5}, {5, 10}])
+    args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--spread-samples", "5"])
+    spread = flowrl.answer_spread(None, None, task, args)
+    assert spread["spread_reward"] == pytest.approx((4 / 5 + 4 / 5) / 2)
+    assert spread["distinct_correct"] == 3  # {2, 3} and {5}
+    # question 0: 2 and 3 twice each → ln 2; question 1: one answer → 0
+    assert spread["correct_entropy"] == pytest.approx(torch.log(torch.tensor(2.0)).item() / 2)
+    assert spread["counts"] == [{"2": 2, "3": 2}, {"5": 4}]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random causal LM saved as an HF folder whose vocabulary covers the laptop prompts."""
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    words = "What is a + ? Reply with only the number.".split() + [str(n) for n in range(100)]
+    tokenizer = common.make_tokenizer(words)
+    common.tiny_causal_lm(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("task, algo", [("numbers", "flowrl"), ("addition", "grpo")])
+def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
+    preset = f"smollm2-{task}"
+    summary = flowrl.train(
+        toy_args(
+            tmp_path,
+            "--preset",
+            preset,
+            "--model",
+            str(tiny_chat_model),
+            "--algo",
+            algo,
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--group-size",
+            "2",
+            "--spread-samples",
+            "4",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+        )
+    )
+    assert summary["sampler_logprob_max_dev"] < 1e-3
+    if task == "numbers":
+        assert len(summary["counts"]) == len(flowrl.NUMBER_QUESTIONS)
+        assert 0 <= summary["spread_reward"] <= 1 and summary["distinct_correct"] >= 0
+        assert (tmp_path / "answers.png").stat().st_size > 0
+    else:  # greedy accuracy on the 64 held-out sums, logged at every evaluation
+        assert 0 <= summary["avg_at_k"] <= 1 and "avg_at_k" in summary["before"]
+        assert (tmp_path / "eval.png").stat().st_size > 0
+    assert (tmp_path / "policy" / "config.json").exists()
+
+
+def test_addition_split_holds_out_64_sums_the_same_on_every_seed(tiny_chat_model):
+    splits = []
+    for seed in ("0", "3"):
+        args = toy_args("unused", "--preset", "smollm2-addition", "--model", str(tiny_chat_model))
+        args.seed = int(seed)
+        _, _, task = flowrl.build_laptop(args, torch.device("cpu"))
+        splits.append((task.prompts, [p for p, _ in task.eval_rows]))
+        assert len(task.prompts) == 36 and len(task.eval_rows) == 64
+        assert not set(task.prompts) & {p for p, _ in task.eval_rows}
+    assert splits[0] == splits[1]
+
+
+def test_spread_sweep_row_and_claim():
+    def summary(reward, distinct, entropy):
+        return {"spread_reward": reward, "distinct_correct": distinct, "correct_entropy": entropy}
+
+    summaries = {
+        "flowrl": summary(0.5, 8, 1.2) | {"before": summary(0.2, 6, 1.0)},
+        "grpo": summary(0.7, 4, 0.6),
+    }
+    row = flowrl.spread_row(summaries)
+    assert row == {
+        "reward_start": 0.2,
+        "reward_flowrl": 0.5,
+        "reward_grpo": 0.7,
+        "distinct_start": 6,
+        "distinct_flowrl": 8,
+        "distinct_grpo": 4,
+        "entropy_start": 1.0,
+        "entropy_flowrl": 1.2,
+        "entropy_grpo": 0.6,
+    }
+    assert flowrl.spread_claim(row)
+    assert not flowrl.spread_claim(row | {"entropy_flowrl": 0.5})
+    assert not flowrl.spread_claim(row | {"reward_flowrl": 0.1})

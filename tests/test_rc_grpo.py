@@ -388,6 +388,10 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     summary = rc_grpo.train(args)
     assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
     assert (tmp_path / "run" / "rctp+rc-grpo" / "policy" / "adapter_config.json").exists()
+    # what the policy called on the first test entry, before and after, beside the expected calls
+    shown = (tmp_path / "run" / "rollouts.txt").read_text()
+    assert shown.startswith("base model:") and "after rctp+rc-grpo:" in shown
+    assert shown.count("expected [") >= 2
 
 
 @pytest.mark.parametrize(
