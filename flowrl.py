@@ -45,6 +45,9 @@ Toy (CPU, about 2 minutes per arm; docs/flowrl.md):
     python flowrl.py --algo grpo       # the reward maximiser: KL 0.48 → above 2, a few answers kept
     python flowrl.py --algo grpo-kl    # the control with FlowRL's target
     python flowrl.py --seeds 0-4       # all three arms on five seeds, one table
+A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-real`):
+    python flowrl.py --preset smollm2-addition --algo grpo   # greedy accuracy on held-out sums
+    python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO: the answers' spread
 Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 N GPUs (DDP, docs/full_scale.md):
@@ -175,15 +178,16 @@ PRESETS = {
     "smollm2-numbers": dict(
         task="numbers",
         model="smollm2",
-        steps=16,
-        prompts_per_step=4,
+        steps=12,
+        prompts_per_step=2,
         group_size=8,
         inner_steps=1,
         max_new_tokens=10,
         beta=1.0,
-        reward_norm="none",
-        lr=3e-6,
-        logz_lr=1e-3,
+        reward_norm="group",
+        lr=6e-6,
+        logz_lr=1e-4,
+        gen_batch=256,
         eval_every=1000,
     ),
 }
@@ -211,13 +215,13 @@ class Task:
 
 
 def score(kind, text, answer):
-    """r(x, y): the toy's table entry, math-verify's verdict, or whether the reply ends on a
-    correct integer."""
+    """r(x, y): the toy's table entry, math-verify's verdict, or whether the reply's integer is a
+    correct one."""
     if kind == "valleys":
         return answer.get(text.strip(), 0.0)
     if kind == "math":
         return math_reward(text, answer)
-    return integer_reward(text, answer)
+    return integer_reward(text, answer, first=kind == "addition")
 
 
 def toy_reward_table(seed):
@@ -337,8 +341,8 @@ def build_full(args, device):
 # ----------------------------------------------------------------------------- the laptop tasks
 
 REPLY = " Reply with only the number."
-# Many correct answers each. SmolLM2-135M-Instruct starts at 10–35% success and a few distinct
-# answers per question (its favourites: 7, 5, 4).
+# Many correct answers each. SmolLM2-135M-Instruct starts at 5–35% success and a few distinct
+# answers per question, with favourites (7, 5, 1).
 NUMBER_QUESTIONS = {
     "a prime number less than 30": {2, 3, 5, 7, 11, 13, 17, 19, 23, 29},
     "a multiple of 5 between 1 and 50": set(range(5, 50, 5)),
@@ -347,16 +351,18 @@ NUMBER_QUESTIONS = {
 }
 
 
-def last_integer(text):
-    """The last integer written in the reply, or None."""
+def reply_integer(text, first):
+    """The first (or last) integer written in the reply, or None."""
     found = re.findall(r"-?\d+", text)
-    return int(found[-1]) if found else None
+    return int(found[0 if first else -1]) if found else None
 
 
-def integer_reward(text, correct):
-    """1 if the reply's last integer is a correct answer, else 0 (a reply that explains itself
-    still counts when it ends on the answer)."""
-    return float(last_integer(text) in correct)
+def integer_reward(text, correct, first):
+    """1 if the reply's first (addition) or last (numbers) integer is a correct answer, else 0.
+    Addition asks for only the number, so its grader reads the first number written: "17" scores,
+    "9 + 8 = 17" does not. A numbers reply that explains itself still scores when it ends on a
+    correct answer."""
+    return float(reply_integer(text, first) in correct)
 
 
 def build_laptop(args, device):
@@ -508,24 +514,26 @@ def answer_spread(model, tokenizer, task, args):
     distinct correct answers (summed over questions), and the entropy (nats) of the correct answers'
     empirical distribution, averaged over questions. A reward maximiser may pile onto one answer
     per question (entropy → 0); p* ∝ π_ref·exp(β·r) keeps π_ref's spread over the correct ones.
-    Seeded per question, so every arm of a seed starts from the same measurement."""
+    One seed for the whole measurement, so every arm of a seed starts from the same numbers."""
     out = {"spread_reward": 0.0, "distinct_correct": 0, "correct_entropy": 0.0, "counts": []}
-    for i, prompt in enumerate(task.prompts):
-        torch.manual_seed(common.sampling_seed(args.seed, 0, i))  # step 0: never a training step
-        replies = common.sample_completions(
-            model,
-            tokenizer,
-            [prompt] * args.spread_samples,
-            args.max_new_tokens,
-            batch_rows=args.gen_batch,
-        )
-        correct = [n for n in (last_integer(t) for t, _, _ in replies) if n in task.answers[i]]
+    n = args.spread_samples
+    torch.manual_seed(common.sampling_seed(args.seed, 0, 0))  # step 0: never a training step
+    replies = common.sample_completions(
+        model,
+        tokenizer,
+        [prompt for prompt in task.prompts for _ in range(n)],
+        args.max_new_tokens,
+        batch_rows=args.gen_batch,
+    )
+    for i, correct_set in enumerate(task.answers):
+        found = (reply_integer(text, first=False) for text, _, _ in replies[i * n : (i + 1) * n])
+        correct = [number for number in found if number in correct_set]
         counts = collections.Counter(correct)
         share = torch.tensor(list(counts.values()), dtype=torch.float) / max(1, len(correct))
-        out["spread_reward"] += len(correct) / len(replies) / len(task.prompts)
+        out["spread_reward"] += len(correct) / n / len(task.prompts)
         out["distinct_correct"] += len(counts)
         out["correct_entropy"] += -(share * share.log()).sum().item() / len(task.prompts)
-        out["counts"].append({str(n): c for n, c in sorted(counts.items())})
+        out["counts"].append({str(number): k for number, k in sorted(counts.items())})
     return out
 
 

@@ -37,7 +37,7 @@ def word_reward(texts):
 
 
 def addition_reward(texts, sums):
-    return [flowrl.integer_reward(t, {s}) for t, s in zip(texts, sums)]
+    return [flowrl.integer_reward(t, {s}, first=True) for t, s in zip(texts, sums)]
 
 
 def tiny_case(hidden):

@@ -288,26 +288,28 @@ def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "reply, correct, reward",
+    "reply, correct, first, reward",
     [
-        ("7", {7}, 1.0),
-        ("3 + 4 = 7.", {7}, 1.0),
-        ("A prime number less than 30 is 29", {29, 2}, 1.0),
-        ("A multiple of 7 less than 100", set(range(7, 100, 7)), 0.0),  # ends on 100
-        ("seven", {7}, 0.0),
-        ("", {7}, 0.0),
+        ("7", {7}, True, 1.0),
+        ("7 is the answer, not 8", {7}, True, 1.0),
+        ("3 + 4 = 7", {7}, True, 0.0),  # addition reads the first number written
+        ("3 + 4 = 7.", {7}, False, 1.0),
+        ("A prime number less than 30 is 29", {29, 2}, False, 1.0),
+        ("A multiple of 7 less than 100", set(range(7, 100, 7)), False, 0.0),  # ends on 100
+        ("seven", {7}, False, 0.0),
+        ("", {7}, True, 0.0),
     ],
 )
-def test_integer_reward_scores_the_last_integer_of_the_reply(reply, correct, reward):
-    assert flowrl.integer_reward(reply, correct) == reward
+def test_integer_reward_reads_the_first_or_the_last_integer(reply, correct, first, reward):
+    assert flowrl.integer_reward(reply, correct, first) == reward
 
 
 def test_answer_spread_counts_distinct_correct_answers_and_their_entropy(monkeypatch):
-    replies = {0: ["2", "It is 3", "3", "2", "4"], 1: ["5", "5", "x", "5", "5"]}
-    calls = iter([0, 1])
+    replies = ["2", "It is 3", "3", "2", "4"] + ["5", "5", "x", "5", "5"]  # 5 per question
 
     def fake_sample(model, tokenizer, prompts, *args, **kwargs):
-        return [(text, [], None) for text in replies[next(calls)]]
+        assert prompts == ["p0"] * 5 + ["p1"] * 5
+        return [(text, [], None) for text in replies]
 
     monkeypatch.setattr(common, "sample_completions", fake_sample)
     task = flowrl.Task("numbers", ["p0", "p1"], [{2, 3, 5}, {5, 10}])
