@@ -28,3 +28,15 @@ def test_rollout_throughput_counts_the_generated_tokens():
     import rollouts_and_memory
 
     assert rollouts_and_memory.generation_throughput(64, 2, new_tokens=4) > 0
+
+
+def test_trl_comparison_splits_our_step_and_times_its_floor():
+    """bench_vs_trl's own side and the floor (TRL's side needs .venv-bench): every phase is timed
+    and positive, and the case's prompts are sampled G times each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_vs_trl
+
+    case = bench_vs_trl.tiny_case(64) | {"steps": 1, "new_tokens": 4}
+    ours, floor = bench_vs_trl.ours(case), bench_vs_trl.floor(case)
+    assert set(ours) == {"generation", "scoring", "update"} and min(ours.values()) > 0
+    assert set(floor) == {"generate", "forward_backward"} and min(floor.values()) > 0

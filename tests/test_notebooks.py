@@ -19,7 +19,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
     workdir.mkdir()
     for name in os.listdir(path.parents[1]):
-        if name.endswith(".py"):
+        if name.endswith(".py") or name == "tests":  # the scripts, and the data files under tests/
             (tmp_path / name).symlink_to(path.parents[1] / name)
     NotebookClient(
         book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
