@@ -165,7 +165,7 @@ PRESETS = {
     "smollm2-addition": dict(
         task="addition",
         model="smollm2",
-        steps=25,
+        steps=40,
         prompts_per_step=4,
         group_size=8,
         inner_steps=1,
