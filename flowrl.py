@@ -46,8 +46,8 @@ Toy (CPU, about 2 minutes per arm; docs/flowrl.md):
     python flowrl.py --algo grpo-kl    # the control with FlowRL's target
     python flowrl.py --seeds 0-4       # all three arms on five seeds, one table
 A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-real`):
-    python flowrl.py --preset smollm2-addition --algo grpo   # greedy accuracy on held-out sums
-    python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO: the answers' spread
+    python flowrl.py --preset smollm2-addition --algo grpo   # greedy 0.125 → 0.83, ~20 min
+    python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO spread: held 1/3 seeds
 Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 N GPUs (DDP, docs/full_scale.md):
