@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 	@$(PY) common.py runs
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
-# one-digit sums (greedy accuracy), then FlowRL vs GRPO on questions with many correct answers, 3 seeds.
+# one-digit sums (greedy accuracy), then FlowRL vs GRPO on many-answer questions over 3 seeds.
 demo-real: $(VENV)/.installed
 	$(PY) flowrl.py --quiet --preset smollm2-addition --algo grpo
 	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
