@@ -29,12 +29,12 @@ Deviations (numbered, on purpose):
        a rescaled β).
     4. log Z has its own learning rate (`--logz-lr`), as GFlowNet practice gives it (FlowRL's log Z
        head).
-    5. The toy samples G = 64 per prompt (paper: 8) for 500 batches. At π = π_ref the KL part of
-       TB's expected gradient, −β∇E[r] + ∇KL(π‖π_ref)/|y|, is zero, so the first updates are
-       REINFORCE on β·r with log Z as the baseline, and at β = 1 with ~9% of samples rewarded that
-       signal is weak: measured, the policy stays near π_ref for 100–175 batches before it moves,
-       and after 300 batches the KL to p* ranged 0.08–0.31 over four seeds. Every arm gets the same
-       rollout budget.
+    5. The toy samples G = 64 per prompt (paper: 8) and takes 8 optimiser steps on each batch for
+       300 batches. At π = π_ref the KL part of TB's expected gradient, −β∇E[r] + ∇KL(π‖π_ref)/|y|,
+       is zero, so the first updates are REINFORCE on β·r with log Z as the baseline; at β = 1 with
+       ~9% of samples rewarded one step per batch barely moves π (measured: near π_ref for 100–175
+       batches at 2 steps per batch; a 3× or 10× learning rate did not help, 8 steps per batch
+       did). Every arm gets the same rollouts and the same number of optimiser steps.
     6. `--algo grpo-kl`, a control the paper does not run: GRPO on the sequence-level regularised
        reward r − log(π_old(y|x)/π_ref(y|x))/(β·|y|). Its optimum is the same p* (maximising E[r] −
        KL(π‖π_ref)/(β·|y|) gives π ∝ π_ref·exp(β·|y|·r)), so it separates "match a target" from
@@ -91,10 +91,10 @@ class Args:
     model: str = common.arg("", "HF model id, a path, or smollm2 (bundled); '' = the toy's tiny LM")
     data: str = common.arg("", "JSONL of {prompt|problem, answer} for --task math")
     eval_data: str = common.arg("", "JSONL for Avg@k evaluation (full preset)")
-    steps: int = common.arg(500, "rollout batches")
+    steps: int = common.arg(300, "rollout batches")
     prompts_per_step: int = common.arg(4, "B, prompts per rollout batch")
     group_size: int = common.arg(64, "G, samples per prompt (paper: 8)")
-    inner_steps: int = common.arg(2, "optimiser steps per rollout batch")
+    inner_steps: int = common.arg(8, "optimiser steps per rollout batch")
     max_new_tokens: int = common.arg(3, "|y| cap")
     beta: float = common.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)")
     reward_norm: str = common.arg(

@@ -115,14 +115,15 @@ def test_toy_with_lora_uses_the_adapter_off_model_as_reference(tmp_path):
 
 @pytest.mark.slow
 def test_toy_flowrl_matches_the_target_and_grpo_does_not(tmp_path):
-    flow = flowrl.train(toy_args(tmp_path / "flowrl", "--seed", "1", "--steps", "300"))
-    # it has collapsed by 75
-    grpo = flowrl.train(
-        toy_args(tmp_path / "grpo", "--seed", "1", "--algo", "grpo", "--steps", "100")
-    )
-    # well below its start
-    assert flow["kl_policy_to_target"] < 0.6 * flow["before"]["kl_policy_to_target"]
-    assert grpo["kl_policy_to_target"] > 3 * flow["kl_policy_to_target"]
+    flow = flowrl.train(toy_args(tmp_path / "flowrl", "--seed", "1", "--steps", "150"))
+    grpo_args = toy_args(tmp_path / "grpo", "--seed", "1", "--algo", "grpo", "--steps", "50")
+    grpo = flowrl.train(grpo_args)
+    start = flow["before"]["kl_policy_to_target"]  # 0.48 at π = π_ref
+    # Margin: seed 1 reaches KL ≈ 0.02 at 150 batches and the sweep's worst seed ends near 0.1 at
+    # 300, so 0.5 × start (≈ 0.24) sits half-way between the start and the worst seed.
+    assert flow["kl_policy_to_target"] < 0.5 * start
+    # GRPO has collapsed onto the best answers by batch 25 (KL > 2 on every seed of the sweep).
+    assert grpo["kl_policy_to_target"] > 1.0 > 4 * flow["kl_policy_to_target"]
     assert flow["modes_covered"] > grpo["modes_covered"]
 
 

@@ -334,11 +334,13 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
         ],
     )
     s = rc_grpo.train(args)
-    assert (
-        s["sft+grpo"]["zero_variance_fraction"] > s["rctp+rc-grpo"]["zero_variance_fraction"] + 0.1
-    )
-    assert s["token_gap"] >= 0.2  # RCTP-FT learned to condition on the token
-    assert s["rctp+rc-grpo"]["accuracy"] >= s["sft+grpo"]["accuracy"]
+    # Margin: over the five-seed sweep SFT+GRPO sits at 0.93–0.98 and RCTP+RC-GRPO at 0.31–0.58; the
+    # worst seed's gap is 0.38, and the test asks for half of it.
+    zv_sft, zv_rc = (s[arm]["zero_variance_fraction"] for arm in ("sft+grpo", "rctp+rc-grpo"))
+    assert zv_sft > zv_rc + 0.19
+    # RCTP-FT learned to condition on the token: ε ≥ 0.38 on every seed, the test asks for half.
+    assert s["token_gap"] >= 0.19
+    # No accuracy assertion: the sweep's accuracy gain holds on one seed of five (docs/rc_grpo.md).
 
 
 def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
