@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 	$(PY) flow_grpo.py --quiet
 	$(PY) agentflow.py --quiet
 	$(PY) rc_grpo.py --quiet
-	@$(PY) common.py runs
+	@$(PY) -m utils.sweep runs
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
 # one-digit sums (greedy accuracy), then FlowRL vs GRPO on many-answer questions over 3 seeds.

@@ -53,7 +53,7 @@ Full scale (one GPU, math recipe):
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N flowrl.py --preset full ...
 Sample from the trained policy (full preset; a plain causal LM folder, no log Z head):
-    python common.py sample runs/flowrl/policy "What is 7 + 5?"
+    python -m utils.sample runs/flowrl/policy "What is 7 + 5?"
 """
 
 import collections
@@ -69,6 +69,7 @@ import torch
 import torch.nn as nn
 
 import common
+from utils import models, sweep, tracking
 
 
 # ----------------------------------------------------------------------------- args
@@ -98,8 +99,7 @@ class Args:
     max_new_tokens: int = common.arg(3, "|y| cap")
     beta: float = common.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)")
     reward_norm: str = common.arg(
-        "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"]
-    )
+        "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"])
     clip_eps: float = common.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
     lr: float = common.arg(1e-3, "policy learning rate (paper: 1e-6)")
     logz_lr: float = common.arg(1e-2, "log Z head learning rate")
@@ -109,25 +109,20 @@ class Args:
     eval_k: int = common.arg(4, "k of Avg@k (paper: 16)")
     eval_every: int = common.arg(25, "steps between evaluations")
     spread_samples: int = common.arg(
-        64, "numbers task: samples per question for the answer spread at the start and the end"
-    )
+        64, "numbers task: samples per question for the answer spread at the start and the end")
     lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = common.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
-    )
+        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
     gen_batch: int = common.arg(64, "prompts per `generate` call")
     gradient_checkpointing: bool = common.arg(
-        False, "recompute activations in the backward pass (full preset: on)"
-    )
+        False, "recompute activations in the backward pass (full preset: on)")
     seed: int = common.arg(0, "random seed")
     seeds: str = common.arg("", "seed sweep, e.g. 0-4: all three --algo arms per seed, one table")
     out_dir: str = common.arg("", "output folder (default runs/flowrl[-grpo|-grpo-kl])")
     device: str = common.arg(
-        "auto",
-        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"],
-    )
+        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"])
     quiet: bool = common.arg(False, "no per-step lines or progress bar")
     report_to: str = common.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
@@ -142,55 +137,21 @@ class Args:
 # > 1.
 PRESETS = {
     "full": dict(
-        task="math",
-        model="Qwen/Qwen2.5-1.5B-Instruct",
-        steps=200,
-        prompts_per_step=8,
-        group_size=8,
-        inner_steps=1,
-        max_new_tokens=1024,
-        beta=15.0,
-        reward_norm="group",
-        lr=1e-6,
-        logz_lr=1e-6,
-        eval_k=16,
-        eval_every=50,
-        micro_batch_tokens=8192,
-        gen_batch=16,
-        gradient_checkpointing=True,
-    ),
+        task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8,
+        group_size=8, inner_steps=1, max_new_tokens=1024, beta=15.0, reward_norm="group", lr=1e-6,
+        logz_lr=1e-6, eval_k=16, eval_every=50, micro_batch_tokens=8192, gen_batch=16,
+        gradient_checkpointing=True),
     # A real pretrained model on a laptop CPU: SmolLM2-135M-Instruct (bundled by a registry package,
     # no download), full fine-tuning in fp32. Greedy accuracy on the 64 held-out sums is Avg@1 at
     # T = 0. The numbers preset: β = 1 on the group-normalised r̂ (β = 15 would dwarf the log-ratio
     # term that keeps π near π_ref) and a slow log Z (at 1e-3 it jumped by ±2 per step).
     "smollm2-addition": dict(
-        task="addition",
-        model="smollm2",
-        steps=40,
-        prompts_per_step=4,
-        group_size=8,
-        inner_steps=1,
-        max_new_tokens=12,
-        lr=3e-6,
-        eval_k=1,
-        eval_temperature=0.0,
-        eval_every=5,
-    ),
+        task="addition", model="smollm2", steps=40, prompts_per_step=4, group_size=8, inner_steps=1,
+        max_new_tokens=12, lr=3e-6, eval_k=1, eval_temperature=0.0, eval_every=5),
     "smollm2-numbers": dict(
-        task="numbers",
-        model="smollm2",
-        steps=12,
-        prompts_per_step=2,
-        group_size=8,
-        inner_steps=1,
-        max_new_tokens=10,
-        beta=1.0,
-        reward_norm="group",
-        lr=6e-6,
-        logz_lr=1e-4,
-        gen_batch=256,
-        eval_every=1000,
-    ),
+        task="numbers", model="smollm2", steps=12, prompts_per_step=2, group_size=8, inner_steps=1,
+        max_new_tokens=10, beta=1.0, reward_norm="group", lr=6e-6, logz_lr=1e-4, gen_batch=256,
+        eval_every=1000),
 }
 
 
@@ -234,8 +195,7 @@ def toy_reward_table(seed):
         {
             answers[j]: r
             for j, r in zip(
-                torch.randperm(len(answers), generator=gen)[: len(VALLEYS)].tolist(), VALLEYS
-            )
+                torch.randperm(len(answers), generator=gen)[: len(VALLEYS)].tolist(), VALLEYS)
         }
         for _ in TOY_PROMPTS
     ]
@@ -244,8 +204,8 @@ def toy_reward_table(seed):
 def build_toy(args):
     """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol
     strings."""
-    tokenizer = common.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
-    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed)
+    tokenizer = models.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
+    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed)
     table = toy_reward_table(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -255,8 +215,7 @@ def build_toy(args):
         x = torch.stack(
             [
                 prompt_ids[torch.randint(len(TOY_PROMPTS), (64,), generator=gen)],
-                *symbol_ids[torch.randint(len(SYMBOLS), (3, 64), generator=gen)],
-            ],
+                *symbol_ids[torch.randint(len(SYMBOLS), (3, 64), generator=gen)]],
             1,
         )
         logits = model(input_ids=x).logits[:, :-1]
@@ -265,17 +224,7 @@ def build_toy(args):
         loss.backward()
         optimizer.step()
     if args.lora_rank:  # π_ref is then the same network with the adapter off
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_rank,
-                lora_alpha=2 * args.lora_rank,
-                target_modules="all-linear",
-                task_type="CAUSAL_LM",
-            ),
-        )
+        model = models.add_lora(model, args.lora_rank)
     return tokenizer, model, Task("valleys", TOY_PROMPTS, table)
 
 
@@ -320,16 +269,14 @@ def chat_prompt(tokenizer, question):
     """The user turn through the model's chat template (plain text + newline when it has none)."""
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
     return question + "\n"
 
 
 def build_full(args, device):
     """HF causal LM (optionally LoRA) + the math task."""
-    tokenizer, model = common.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
-    )
+    tokenizer, model = models.load_causal_lm(
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     rows = [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.data)]
     eval_rows = (
         [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.eval_data)]
@@ -372,9 +319,8 @@ def build_laptop(args, device):
     addition: "What is a + b?" for one-digit a, b — 36 pairs to train on, the other 64 held out for
     greedy accuracy (the same split on every seed). numbers: NUMBER_QUESTIONS, every one with many
     correct answers."""
-    tokenizer, model = common.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
-    )
+    tokenizer, model = models.load_causal_lm(
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     if args.task == "addition":
         order = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
         rows = [
@@ -382,10 +328,8 @@ def build_laptop(args, device):
             for j in order
         ]
         return (
-            tokenizer,
-            model,
-            Task("addition", [p for p, _ in rows[:36]], [a for _, a in rows[:36]], rows[36:]),
-        )
+            tokenizer, model,
+            Task("addition", [p for p, _ in rows[:36]], [a for _, a in rows[:36]], rows[36:]))
     questions = list(NUMBER_QUESTIONS)
     prompts = [chat_prompt(tokenizer, f"What is {q}?" + REPLY) for q in questions]
     return tokenizer, model, Task("numbers", prompts, [NUMBER_QUESTIONS[q] for q in questions])
@@ -404,17 +348,13 @@ class LogZHead(nn.Module):
     def __init__(self, hidden_size):
         super().__init__()
         block = lambda: [
-            nn.Linear(hidden_size, hidden_size),
-            nn.GELU(),
-            nn.LayerNorm(hidden_size),
-            nn.Dropout(0.1),
-        ]
+            nn.Linear(hidden_size, hidden_size), nn.GELU(), nn.LayerNorm(hidden_size),
+            nn.Dropout(0.1)]
         self.net = nn.Sequential(*block(), *block(), nn.Linear(hidden_size, 1))
 
     def forward(self, hidden, prompt_mask):
         pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(
-            min=1
-        )
+            min=1)
         return self.net(pooled.float()).squeeze(-1)
 
 
@@ -478,8 +418,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         pi, target = logp.exp(), log_target.exp()
         out["kl_policy_to_target"] += (pi * (logp - log_target)).sum().item() / len(task.prompts)
         out["kl_target_to_policy"] += (target * (log_target - logp)).sum().item() / len(
-            task.prompts
-        )
+            task.prompts)
         out["mean_reward"] += (pi * reward).sum().item() / len(task.prompts)
         out["target_mean_reward"] += (target * reward).sum().item() / len(task.prompts)
         rewarded = reward > 0
@@ -496,13 +435,8 @@ def avg_at_k(model, tokenizer, task, args):
     prompts = [prompt for prompt, _ in task.eval_rows for _ in range(args.eval_k)]
     answers = [answer for _, answer in task.eval_rows for _ in range(args.eval_k)]
     samples = common.sample_completions(
-        model,
-        tokenizer,
-        prompts,
-        args.max_new_tokens,
-        args.eval_temperature,
-        batch_rows=args.gen_batch,
-    )
+        model, tokenizer, prompts, args.max_new_tokens, args.eval_temperature,
+        batch_rows=args.gen_batch)
     return {
         "avg_at_k": sum(score(task.kind, text, a) for (text, _, _), a in zip(samples, answers))
         / len(samples)
@@ -520,12 +454,8 @@ def answer_spread(model, tokenizer, task, args):
     n = args.spread_samples
     torch.manual_seed(common.sampling_seed(args.seed, 0, 0))  # step 0: never a training step
     replies = common.sample_completions(
-        model,
-        tokenizer,
-        [prompt for prompt in task.prompts for _ in range(n)],
-        args.max_new_tokens,
-        batch_rows=args.gen_batch,
-    )
+        model, tokenizer, [prompt for prompt in task.prompts for _ in range(n)],
+        args.max_new_tokens, batch_rows=args.gen_batch)
     for i, correct_set in enumerate(task.answers):
         found = (reply_integer(text, first=False) for text, _, _ in replies[i * n : (i + 1) * n])
         correct = [number for number in found if number in correct_set]
@@ -553,14 +483,8 @@ def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eo
     for prompt, seed in zip(prompts, seeds):
         torch.manual_seed(seed)
         samples += common.sample_completions(
-            model,
-            tokenizer,
-            [prompt] * group_size,
-            args.max_new_tokens,
-            args.temperature,
-            stop_at_eos,
-            args.gen_batch,
-        )
+            model, tokenizer, [prompt] * group_size, args.max_new_tokens, args.temperature,
+            stop_at_eos, args.gen_batch)
     return samples
 
 
@@ -577,13 +501,11 @@ def validate(args):
             (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
             (
                 args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-                "--micro-batch-tokens and --gen-batch must be ≥ 1",
-            ),
+                "--micro-batch-tokens and --gen-batch must be ≥ 1"),
             (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
             (
                 (args.task == "math") == bool(args.data),
-                "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
-            ),
+                "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none"),
             (
                 (args.task == "valleys") != bool(args.model),
                 f"--task {args.task} needs --model (or a preset: full, smollm2-addition, "
@@ -624,14 +546,9 @@ def train(args):
     mine = common.local_groups(args.prompts_per_step, accelerator)
     name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
     out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
-    logger = common.RunLogger(
-        out_dir,
-        dataclasses.asdict(args) | {"preset": args.preset},
-        args.steps,
-        f"{args.algo}",
-        quiet=args.quiet,
-        main_process=accelerator.is_main_process,
-    )
+    logger = tracking.RunLogger(
+        out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps, f"{args.algo}",
+        quiet=args.quiet, main_process=accelerator.is_main_process)
     gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate():
@@ -655,7 +572,7 @@ def train(args):
     state_objects = ({"model": model, "head": head}, {"optimizer": optimizer}, {"rollouts": gen})
     # weights, optimiser, RNGs and metrics so far: continues bit-exactly
     if args.resume and checkpoint.exists():
-        done, extra = common.load_training_state(checkpoint, *state_objects)
+        done, extra = tracking.load_training_state(checkpoint, *state_objects)
         first, sampler_dev, start = extra["first"], extra["sampler_dev"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
@@ -668,14 +585,8 @@ def train(args):
         idx = picked.repeat_interleave(args.group_size).tolist()
         prompts = [task.prompts[i] for i in idx]
         samples = sample_groups(
-            model,
-            tokenizer,
-            [task.prompts[i] for i in picked],
-            args.group_size,
-            seeds,
-            args,
-            stop_at_eos=not toy,
-        )
+            model, tokenizer, [task.prompts[i] for i in picked], args.group_size, seeds, args,
+            stop_at_eos=not toy)
         # 2. rewards r
         rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
         # 3. micro-batches bounded by --micro-batch-tokens; π_ref's log-probs once (all but GRPO)
@@ -684,8 +595,7 @@ def train(args):
         token_count = max(1, sum(len(c) for c in completions))
         packed = [
             common.pack_completions(
-                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device
-            )
+                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
             for rows in batches
         ]
         ref_logps = []
@@ -720,13 +630,11 @@ def train(args):
                 old_logp = common.place_logprobs(mask, [samples[r][2] for r in rows])
                 with autocast:
                     scored = common.completion_logprobs(
-                        train_model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl"
-                    )
+                        train_model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
                 logp, hidden = scored if args.algo == "flowrl" else (scored, None)
                 if inner == 0:  # not yet updated: training must score what the sampler drew
                     sampler_dev = max(
-                        sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item()
-                    )
+                        sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
                 if args.algo == "flowrl":
                     plen = ids.shape[1] - mask.shape[1]
                     prompt_hidden = (
@@ -735,18 +643,11 @@ def train(args):
                     log_z = train_head(prompt_hidden, attn[:, :plen].float())  # log Z_φ(x)
                     weight = importance_weight(
                         common.sequence_logprob(logp, mask),
-                        common.sequence_logprob(old_logp, mask),
-                        args.clip_eps,
-                    )
+                        common.sequence_logprob(old_logp, mask), args.clip_eps)
                     loss, residual = trajectory_balance_loss(
-                        log_z,
-                        common.sequence_logprob(logp, mask, length_normalize=True),
+                        log_z, common.sequence_logprob(logp, mask, length_normalize=True),
                         common.sequence_logprob(ref_logps[k], mask, length_normalize=True),
-                        reward_hat[rows],
-                        args.beta,
-                        weight,
-                        num_rows=len(samples),
-                    )
+                        reward_hat[rows], args.beta, weight, num_rows=len(samples))
                     stats = {
                         "log_z": log_z.mean().item(),
                         "residual_abs": residual.abs().mean().item(),
@@ -754,12 +655,10 @@ def train(args):
                     }
                 else:
                     loss, stats = grpo_loss(
-                        logp, old_logp, advantages[rows], mask, args.clip_eps, token_count
-                    )
+                        logp, old_logp, advantages[rows], mask, args.clip_eps, token_count)
                 if not torch.isfinite(loss):
                     raise SystemExit(
-                        f"error: non-finite loss at step {step}; lower --lr or check the reward"
-                    )
+                        f"error: non-finite loss at step {step}; lower --lr or check the reward")
                 accelerator.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -782,7 +681,7 @@ def train(args):
             record |= scalars(final)
         logger.log(step, **record)
         if args.save_every and step % args.save_every == 0 and accelerator.is_main_process:
-            common.save_training_state(
+            tracking.save_training_state(
                 checkpoint,
                 step,
                 *state_objects,
@@ -802,12 +701,14 @@ def train(args):
         "sampler_logprob_max_dev": sampler_dev,
         "before": {k: v for k, v in first.items() if k != "dists"},
     }
+    if toy and final:  # the row of `make demo`'s table
+        summary["claim"] = {"text": CLAIMS[args.algo], "before": first["kl_policy_to_target"],
+                            "after": final["kl_policy_to_target"]}
     plots = [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if toy and final:
         plot_valleys(final["dists"][0], out_dir / "valleys.png", args.algo)
         plots.append(
-            ("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL")
-        )
+            ("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL"))
     if args.task == "numbers" and final and accelerator.is_main_process:
         plot_answer_counts(first["counts"], final["counts"], out_dir / "answers.png", args.algo)
     if task.eval_rows:
@@ -830,8 +731,7 @@ def plot_answer_counts(before, after, path, algo):
 
     fig = Figure(figsize=(3 * len(before), 2.8), dpi=100)
     for ax, question, start, end in zip(
-        fig.subplots(1, len(before)), NUMBER_QUESTIONS, before, after
-    ):
+        fig.subplots(1, len(before)), NUMBER_QUESTIONS, before, after):
         answers = sorted({*start, *end}, key=int)
         xs = torch.arange(len(answers)).numpy()
         ax.bar(xs - 0.2, [start.get(a, 0) for a in answers], 0.4, label="start")
@@ -874,20 +774,16 @@ def plot_kl_comparison(runs_dir):
             curves[name] = [
                 (r["step"], r["kl_policy_to_target"]) for r in rows if "kl_policy_to_target" in r
             ]
-    common.plot_curves(
-        curves,
-        Path(runs_dir) / "flowrl_vs_grpo_kl.png",
-        "exact KL(π‖p*) on the toy",
-        "KL",
-        logy=True,
-    )
+    tracking.plot_curves(
+        curves, Path(runs_dir) / "flowrl_vs_grpo_kl.png", "exact KL(π‖p*) on the toy", "KL",
+        logy=True)
 
 
+CLAIMS = {"flowrl": "FlowRL: exact KL(π‖p*) goes down",
+          "grpo": "GRPO baseline: exact KL(π‖p*) goes up",
+          "grpo-kl": "GRPO-KL control (same target): KL goes down"}
 SWEEP_ARMS = [
-    ("flowrl", {"algo": "flowrl"}),
-    ("grpo", {"algo": "grpo"}),
-    ("grpo-kl", {"algo": "grpo-kl"}),
-]
+    ("flowrl", {"algo": "flowrl"}), ("grpo", {"algo": "grpo"}), ("grpo-kl", {"algo": "grpo-kl"})]
 
 
 def sweep_row(summaries):
@@ -913,10 +809,8 @@ def spread_row(summaries):
     the start (the same for both arms) and at the end of each arm."""
     row = {}
     for metric, short in [
-        ("spread_reward", "reward"),
-        ("distinct_correct", "distinct"),
-        ("correct_entropy", "entropy"),
-    ]:
+        ("spread_reward", "reward"), ("distinct_correct", "distinct"),
+        ("correct_entropy", "entropy")]:
         row[f"{short}_start"] = summaries["flowrl"]["before"][metric]
         row |= {f"{short}_{name}": summaries[name][metric] for name, _ in SPREAD_ARMS}
     return row
@@ -949,8 +843,7 @@ def plot_spread_comparison(sweep_dir):
     curves.legend(fontsize=8)
     for ax, short, title in [
         (distinct, "distinct", "distinct correct answers"),
-        (entropy, "entropy", "entropy of correct answers (nats)"),
-    ]:
+        (entropy, "entropy", "entropy of correct answers (nats)")]:
         for x, column in enumerate(["start", *(name for name, _ in SPREAD_ARMS)]):
             values = [row[f"{short}_{column}"] for row in sweep["rows"]]
             ax.plot([x] * len(values), values, "o", alpha=0.6)
@@ -970,10 +863,10 @@ if __name__ == "__main__":
     args = common.parse_args(Args, PRESETS)
     if args.seeds and args.task == "numbers":
         sweep_dir = args.out_dir or "runs/flowrl-numbers-sweep"
-        common.seed_sweep(train, args, SPREAD_ARMS, spread_row, spread_claim, sweep_dir)
+        sweep.seed_sweep(train, args, SPREAD_ARMS, spread_row, spread_claim, sweep_dir)
         plot_spread_comparison(sweep_dir)
     elif args.seeds:
         sweep_dir = args.out_dir or "runs/flowrl-sweep"
-        common.seed_sweep(train, args, SWEEP_ARMS, sweep_row, claim_holds, sweep_dir)
+        sweep.seed_sweep(train, args, SWEEP_ARMS, sweep_row, claim_holds, sweep_dir)
     else:
         print(json.dumps(train(args), indent=2))

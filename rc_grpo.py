@@ -51,7 +51,7 @@ Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (DDP, docs/full_scale.md):
     accelerate launch --num_processes N rc_grpo.py --preset bfcl
 Sample from a trained arm (bfcl preset; a LoRA adapter on --model):
-    python common.py sample runs/rc_grpo/rctp+rc-grpo/policy "List the files here."
+    python -m utils.sample runs/rc_grpo/rctp+rc-grpo/policy "List the files here."
 """
 
 import ast
@@ -74,6 +74,7 @@ import torch
 from accelerate.utils import gather_object
 
 import common
+from utils import models, sweep, tracking
 
 # ----------------------------------------------------------------------------- args
 
@@ -83,8 +84,7 @@ class Args:
     model: str = common.arg("", "HF model id or path ('' = tiny toy LM)")
     arms: str = common.arg(
         "sft+grpo,sft+rc-grpo,rctp+grpo,rctp+rc-grpo",
-        "comma-separated arms: {sft|rctp}+{grpo|rc-grpo} (Table 1)",
-    )
+        "comma-separated arms: {sft|rctp}+{grpo|rc-grpo} (Table 1)")
     steps: int = common.arg(40, "GRPO steps per arm")
     tasks_per_step: int = common.arg(8, "tasks per GRPO batch")
     group_size: int = common.arg(5, "G rollouts per task (paper: 5)")
@@ -101,12 +101,10 @@ class Args:
     max_new_tokens: int = common.arg(10, "tokens per model step")
     temperature: float = common.arg(1.0, "rollout temperature; evaluation is greedy")
     max_tasks: int = common.arg(
-        0, "use N train and N test tasks, taken round-robin over the categories (0 = all)"
-    )
+        0, "use N train and N test tasks, taken round-robin over the categories (0 = all)")
     tasks: str = common.arg("", "comma-separated entry ids to use (train and test)")
     max_turns: int = common.arg(
-        0, "keep only the first N user turns of each entry (0 = all; a laptop knob)"
-    )
+        0, "keep only the first N user turns of each entry (0 = all; a laptop knob)")
     docs: str = common.arg(
         "all",
         "all: every function of the involved classes (BFCL); "
@@ -120,20 +118,16 @@ class Args:
     lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = common.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
-    )
+        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
     gen_batch: int = common.arg(64, "rollouts per `generate` call")
     gradient_checkpointing: bool = common.arg(
-        False, "recompute activations in the backward pass (bfcl preset: on)"
-    )
+        False, "recompute activations in the backward pass (bfcl preset: on)")
     seed: int = common.arg(0, "random seed")
     seeds: str = common.arg("", "seed sweep, e.g. 0-4: all arms per seed, one table")
     out_dir: str = common.arg("runs/rc_grpo", "output folder")
     device: str = common.arg(
-        "auto",
-        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"],
-    )
+        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"])
     quiet: bool = common.arg(False, "no per-step lines or progress bar")
     report_to: str = common.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
@@ -141,8 +135,7 @@ class Args:
     save_every: int = common.arg(10, "GRPO steps between checkpoints (0 = never)")
     resume: bool = common.arg(
         False,
-        "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)",
-    )
+        "continue each GRPO arm from its checkpoint (stage 1 is recomputed: it is deterministic)")
 
 
 # Paper recipe: G = 5, p = 0.5, β 0.1, clip 0.2; RCTP-FT batch 16, 5 epochs; SFT 2 epochs;
@@ -152,20 +145,9 @@ class Args:
 # tokens: three rows per micro-batch.
 PRESETS = {
     "bfcl": dict(
-        model="Qwen/Qwen2.5-7B-Instruct",
-        arms="rctp+rc-grpo",
-        steps=100,
-        tasks_per_step=16,
-        lr=1e-5,
-        sft_lr=1e-4,
-        failure_rollouts=2,
-        max_steps=20,
-        max_new_tokens=256,
-        lora_rank=64,
-        micro_batch_tokens=16384,
-        gen_batch=32,
-        gradient_checkpointing=True,
-    )
+        model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
+        lr=1e-5, sft_lr=1e-4, failure_rollouts=2, max_steps=20, max_new_tokens=256, lora_rank=64,
+        micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True)
 }
 
 HIGH, LOW = "<|high_reward|>", "<|low_reward|>"
@@ -274,10 +256,8 @@ def _parse_call(call):
     ):
         raise ValueError(f"*args/**kwargs in {name}() are not allowed")
     return (
-        name,
-        tuple(_literal(a) for a in call.args),
-        {k.arg: _literal(k.value) for k in call.keywords},
-    )
+        name, tuple(_literal(a) for a in call.args),
+        {k.arg: _literal(k.value) for k in call.keywords})
 
 
 def format_call(name, args, kwargs):
@@ -307,8 +287,7 @@ class BFCLEnv:
             if cls not in STATELESS_CLASSES:
                 instance._load_scenario(
                     copy.deepcopy(entry["initial_config"].get(cls, {})),
-                    long_context=entry["category"] == "long_context",
-                )
+                    long_context=entry["category"] == "long_context")
             self.instances[cls] = instance
             for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
                 if not name.startswith("_"):
@@ -547,10 +526,8 @@ def toy_entries(n, seed, rare_share, n_test=200):
                 "question": [[{"role": "user", "content": f"delete {target}"}]],
                 "ground_truth": [
                     [
-                        f"find(name='{target}')",
-                        f"cd(folder='{folder}')",
-                        f"rm(file_name='{target}')",
-                    ]
+                        f"find(name='{target}')", f"cd(folder='{folder}')",
+                        f"rm(file_name='{target}')"]
                 ],
                 "rare": rare,
                 "demonstrated": not rare,  # experts were recorded on the common case only
@@ -613,35 +590,11 @@ def build_toy(args, device):
     train, test = toy_entries(args.toy_tasks, args.seed, args.rare_share, args.toy_test_tasks)
     generic, _ = toy_entries(args.toy_tasks, args.seed + 1, rare_share=0.75, n_test=0)
     words = [
-        "user",
-        "asst",
-        "tool",
-        "delete",
-        "done",
-        "[",
-        "]",
-        "(",
-        ")",
-        ",",
-        "=",
-        "[Reward",
-        "Goal:",
-        "None",
-        "matches",
-        "Error",
-        "find",
-        "cd",
-        "rm",
-        "ls",
-        "name",
-        "folder",
-        "file_name",
-        *TOY_DIRS,
-        *TOY_FILES,
-        *[repr(w) for w in TOY_DIRS + TOY_FILES],
-    ]
-    tokenizer = common.make_tokenizer(words, special_tokens=REWARD_TOKENS)
-    model = common.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+        "user", "asst", "tool", "delete", "done", "[", "]", "(", ")", ",", "=", "[Reward", "Goal:",
+        "None", "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name",
+        *TOY_DIRS, *TOY_FILES, *[repr(w) for w in TOY_DIRS + TOY_FILES]]
+    tokenizer = models.make_tokenizer(words, special_tokens=REWARD_TOKENS)
+    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
     world = World(train, test, tokenizer, model, chat=False, end_text="done")
     rng = random.Random(args.seed)
     base_data = [
@@ -650,14 +603,8 @@ def build_toy(args, device):
         for _ in range(3)
     ]
     supervised_finetune(
-        world,
-        [s for traj in base_data for s in traj],
-        epochs=8,
-        lr=3e-3,
-        batch=32,
-        seed=args.seed,
-        token_budget=args.micro_batch_tokens,
-    )
+        world, [s for traj in base_data for s in traj], epochs=8, lr=3e-3, batch=32, seed=args.seed,
+        token_budget=args.micro_batch_tokens)
     return world
 
 
@@ -670,19 +617,12 @@ def build_bfcl(args, device):
     the linear layers."""
     from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
 
-    tokenizer, model = common.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
-    )
+    tokenizer, model = models.load_causal_lm(
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     train, test = split_entries(load_bfcl_entries())
     return World(
-        train,
-        test,
-        tokenizer,
-        model.to(device),
-        chat=True,
-        end_text="Done.",
-        reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
-    )
+        train, test, tokenizer, model.to(device), chat=True, end_text="Done.",
+        reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
 
 
 def select_entries(entries, args):
@@ -748,8 +688,7 @@ def render(world, messages):
     """The dialogue as the model's prompt: the chat template, or the toy's `role content … asst`."""
     if world.chat:
         return world.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+            messages, tokenize=False, add_generation_prompt=True)
     return (
         " ".join(f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages)
         + " asst"
@@ -826,13 +765,8 @@ def run_rollouts(world, entries, tokens, temperature, args):
     while active := [r for r in runs if not r["done"]]:
         prompts = [render(world, r["messages"]) for r in active]
         outputs = common.sample_completions(
-            world.model,
-            world.tokenizer,
-            prompts,
-            args.max_new_tokens,
-            temperature,
-            batch_rows=args.gen_batch,
-        )
+            world.model, world.tokenizer, prompts, args.max_new_tokens, temperature,
+            batch_rows=args.gen_batch)
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})
@@ -841,16 +775,14 @@ def run_rollouts(world, entries, tokens, temperature, args):
                 results = run["env"].execute(calls)
                 run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
                 run["messages"].append(
-                    {"role": "tool", "content": observation(world, "\n".join(results))}
-                )
+                    {"role": "tool", "content": observation(world, "\n".join(results))})
                 run["turn_steps"] += 1
                 run["done"] = run["turn_steps"] > args.max_steps  # BFCL's force-quit
                 continue
             run["turn"], run["turn_steps"] = run["turn"] + 1, 0
             if run["turn"] < len(run["entry"]["question"]):
                 run["messages"] += user_messages(
-                    world, run["entry"], run["turn"], run["token"], run["env"]
-                )
+                    world, run["entry"], run["turn"], run["token"], run["env"])
             else:
                 run["done"] = True
     for run in runs:
@@ -902,11 +834,8 @@ def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget):
             optimizer.zero_grad()
             for rows in common.micro_batches(tokenizer, prompts, completions, token_budget):
                 ids, attn, mask = common.pack_completions(
-                    tokenizer,
-                    [prompts[r] for r in rows],
-                    [completions[r] for r in rows],
-                    model.device,
-                )
+                    tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows],
+                    model.device)
                 with autocast:
                     logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
                 (-(logp * mask).sum() / token_count).backward()
@@ -1008,7 +937,7 @@ def grpo_arm(
     state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
     # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
     if args.resume and checkpoint.exists():
-        done, extra = common.load_training_state(checkpoint, *state_objects)
+        done, extra = tracking.load_training_state(checkpoint, *state_objects)
         sampler_dev, zero_var, start = extra["sampler_dev"], extra["zero_var"], done + 1
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
@@ -1043,28 +972,22 @@ def grpo_arm(
         optimizer.zero_grad()
         for batch in common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens):
             ids, attn, mask = common.pack_completions(
-                tokenizer,
-                [prompts[k] for k in batch],
-                [completions[k] for k in batch],
-                model.device,
-            )
+                tokenizer, [prompts[k] for k in batch], [completions[k] for k in batch],
+                model.device)
             old_logp = common.place_logprobs(mask, [rows[k][0]["old_logp"] for k in batch])
             batch_adv = torch.tensor([rows[k][1] for k in batch], device=model.device)
             with autocast:
                 ref_logp = common.reference_logprobs(
-                    model, reference, ids, attn, mask.shape[1], args.temperature
-                )
+                    model, reference, ids, attn, mask.shape[1], args.temperature)
                 logp = common.completion_logprobs(
-                    train_model, ids, attn, mask.shape[1], args.temperature
-                )
+                    train_model, ids, attn, mask.shape[1], args.temperature)
             sampler_dev = (
                 max(sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
                 if step == 1
                 else sampler_dev
             )
             loss, stats = rc_grpo_loss(
-                logp, old_logp, ref_logp, batch_adv, mask, args.clip_eps, args.beta, token_count
-            )
+                logp, old_logp, ref_logp, batch_adv, mask, args.clip_eps, args.beta, token_count)
             if not torch.isfinite(loss):
                 raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
             accelerator.backward(loss)
@@ -1093,12 +1016,9 @@ def grpo_arm(
             and (step % args.save_every == 0 or step == args.steps)
             and accelerator.is_main_process
         ):
-            common.save_training_state(
-                checkpoint,
-                step,
-                *state_objects,
-                extra={"sampler_dev": sampler_dev, "zero_var": zero_var, "records": logger.records},
-            )
+            tracking.save_training_state(
+                checkpoint, step, *state_objects,
+                extra={"sampler_dev": sampler_dev, "zero_var": zero_var, "records": logger.records})
     return {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),
         "sampler_logprob_max_dev": sampler_dev,
@@ -1119,20 +1039,16 @@ def validate(args):
             (0 < args.p_high < 1, f"--p-high must be in (0, 1) (got {args.p_high})"),
             (
                 args.lr > 0 and args.sft_lr > 0 and args.clip_eps > 0 and args.beta >= 0,
-                "--lr, --sft-lr, --clip-eps must be > 0",
-            ),
+                "--lr, --sft-lr, --clip-eps must be > 0"),
             (
                 args.temperature > 0,
-                "--temperature must be > 0 for training rollouts (evaluation is greedy)",
-            ),
+                "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
             (
                 args.steps >= 1 and args.max_steps >= 1 and args.failure_rollouts >= 1,
-                "--steps, --max-steps, --failure-rollouts ≥ 1",
-            ),
+                "--steps, --max-steps, --failure-rollouts ≥ 1"),
             (
                 args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-                "--micro-batch-tokens and --gen-batch must be ≥ 1",
-            ),
+                "--micro-batch-tokens and --gen-batch must be ≥ 1"),
             (
                 not args.lora_rank or len(arms) == 1,
                 "--lora-rank trains one arm per run "
@@ -1153,8 +1069,7 @@ def train(args):
     world = build_bfcl(args, device) if args.model else build_toy(args, device)
     world.train, world.test = select_entries(world.train, args), select_entries(world.test, args)
     common.check_args(
-        [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")]
-    )
+        [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
     # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its
@@ -1172,14 +1087,8 @@ def train(args):
             for s in trajectory_samples(world, e, None, e["ground_truth"])
         ]
         supervised_finetune(
-            world,
-            expert,
-            args.sft_epochs,
-            args.sft_lr,
-            args.sft_batch,
-            args.seed,
-            args.micro_batch_tokens,
-        )
+            world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
+            args.micro_batch_tokens)
         states["sft"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)
     if "rctp" in needed:
@@ -1187,14 +1096,8 @@ def train(args):
             world.model.load_state_dict(states["base"])
         samples, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world,
-            samples,
-            args.rctp_epochs,
-            args.sft_lr,
-            args.sft_batch,
-            args.seed,
-            args.micro_batch_tokens,
-        )
+            world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed,
+            args.micro_batch_tokens)
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = evaluate(world, world.test, HIGH, args), evaluate(world, world.test, LOW, args)
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
@@ -1204,7 +1107,7 @@ def train(args):
 
         lora_config = world.model.peft_config["default"]
         world.model = get_peft_model(world.model.merge_and_unload(), lora_config)
-        common.check_master_weights(world.model)
+        models.check_master_weights(world.model)
     train_model = accelerator.prepare(world.model)  # DDP wrapper (N processes) for the GRPO loss
     curves = {}
     for arm in arms:
@@ -1213,25 +1116,12 @@ def train(args):
             world.model.load_state_dict(states[init])
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
-        logger = common.RunLogger(
-            out_dir / arm,
-            config | {"arm": arm},
-            args.steps,
-            arm,
-            quiet=args.quiet,
-            main_process=accelerator.is_main_process,
-        )
+        logger = tracking.RunLogger(
+            out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet,
+            main_process=accelerator.is_main_process)
         result = grpo_arm(
-            args,
-            world,
-            train_model,
-            arm,
-            use_tokens,
-            algo == "rc-grpo",
-            logger,
-            out_dir / arm / "checkpoint.safetensors",
-            accelerator,
-        )
+            args, world, train_model, arm, use_tokens, algo == "rc-grpo", logger,
+            out_dir / arm / "checkpoint.safetensors", accelerator)
         token = HIGH if use_tokens else None
         result["accuracy"] = evaluate(world, world.test, token, args)
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
@@ -1245,8 +1135,7 @@ def train(args):
             result,
             [
                 ("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
-                ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward"),
-            ],
+                ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")],
         )
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
         if args.model and accelerator.is_main_process:
@@ -1258,13 +1147,14 @@ def train(args):
         "sampler_logprob_max_dev": max(summary[a]["sampler_logprob_max_dev"] for a in arms),
         "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms),
     }
+    if {"sft+grpo", "rctp+rc-grpo"} <= set(arms):  # the row of `make demo`'s table
+        summary["claim"] = {"text": "RC-GRPO: zero-var. fraction, SFT+GRPO → RCTP+RC",
+                            "before": summary["sft+grpo"]["zero_variance_fraction"],
+                            "after": summary["rctp+rc-grpo"]["zero_variance_fraction"]}
     if accelerator.is_main_process:
-        common.plot_curves(
-            curves,
-            out_dir / "zero_variance.png",
-            "zero-variance fraction per GRPO step",
-            "fraction",
-        )
+        tracking.plot_curves(
+            curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step",
+            "fraction")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (out_dir / "rollouts.txt").write_text("\n\n".join(shown) + "\n")
     if not args.quiet:
@@ -1311,6 +1201,6 @@ if __name__ == "__main__":
     args = common.parse_args(Args, PRESETS)
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
-        common.seed_sweep(train, args, [("", {})], sweep_row, claim_holds, sweep_dir)
+        sweep.seed_sweep(train, args, [("", {})], sweep_row, claim_holds, sweep_dir)
     else:
         print(json.dumps(train(args), indent=2))

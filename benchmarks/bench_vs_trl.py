@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flowrl  # noqa: E402
+from utils import models  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 GROUP, LR = 8, 1e-5
@@ -42,38 +43,27 @@ def addition_reward(texts, sums):
 
 def tiny_case(hidden):
     """A random tiny Qwen2 on word prompts: 8 prompts, 32 new tokens, 5 timed steps."""
-    tokenizer = common.make_tokenizer(WORDS)
-    model = common.tiny_causal_lm(len(tokenizer), hidden_size=hidden, num_heads=4, seed=0)
+    tokenizer = models.make_tokenizer(WORDS)
+    model = models.tiny_causal_lm(len(tokenizer), hidden_size=hidden, num_heads=4, seed=0)
     prompts = [" ".join(WORDS[(7 * i + j) % 60] for j in range(8)) for i in range(8)]
     return dict(
-        name=f"tiny Qwen2, hidden {hidden}",
-        tokenizer=tokenizer,
-        model=model,
-        prompts=prompts,
-        reward=lambda texts, rows: word_reward(texts),
-        new_tokens=32,
-        steps=5,
-    )
+        name=f"tiny Qwen2, hidden {hidden}", tokenizer=tokenizer, model=model, prompts=prompts,
+        reward=lambda texts, rows: word_reward(texts), new_tokens=32, steps=5)
 
 
 def smollm2_case():
     """The real SmolLM2-135M-Instruct on 4 addition questions (the smollm2-addition preset's
     shapes): 4 prompts × G 8, 12 new tokens, 2 timed steps."""
-    tokenizer, model = common.load_causal_lm("smollm2", torch.device("cpu"))
+    tokenizer, model = models.load_causal_lm("smollm2", torch.device("cpu"))
     pairs = [(3, 4), (5, 2), (6, 1), (2, 7)]
     prompts = [
         flowrl.chat_prompt(tokenizer, f"What is {a} + {b}?" + flowrl.REPLY) for a, b in pairs
     ]
     sums = {p: a + b for p, (a, b) in zip(prompts, pairs)}
     return dict(
-        name="SmolLM2-135M-Instruct",
-        tokenizer=tokenizer,
-        model=model,
-        prompts=prompts,
-        reward=lambda texts, rows: addition_reward(texts, [sums[p] for p in rows]),
-        new_tokens=12,
-        steps=2,
-    )
+        name="SmolLM2-135M-Instruct", tokenizer=tokenizer, model=model, prompts=prompts,
+        reward=lambda texts, rows: addition_reward(texts, [sums[p] for p in rows]), new_tokens=12,
+        steps=2)
 
 
 def fresh(case):
@@ -96,8 +86,7 @@ def ours(case):
         rewards = torch.tensor(case["reward"]([text for text, _, _ in samples], prompts))
         advantages = common.group_advantages(rewards, GROUP)
         ids, attn, mask = common.pack_completions(
-            tokenizer, prompts, [s[1] for s in samples], model.device
-        )
+            tokenizer, prompts, [s[1] for s in samples], model.device)
         t2 = time.perf_counter()
         model.train()
         logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
@@ -111,10 +100,7 @@ def ours(case):
         t3 = time.perf_counter()
         if step:  # step 0 is the warm-up
             for phase, seconds in [
-                ("generation", t1 - t0),
-                ("scoring", t2 - t1),
-                ("update", t3 - t2),
-            ]:
+                ("generation", t1 - t0), ("scoring", t2 - t1), ("update", t3 - t2)]:
                 split[phase] += seconds / case["steps"]
     return dict(split)
 
@@ -135,13 +121,11 @@ def floor(case):
             seq = model.generate(**enc, generation_config=config)
         t1 = time.perf_counter()
         attn = torch.cat(
-            [enc["attention_mask"], torch.ones_like(seq[:, enc["input_ids"].shape[1] :])], 1
-        )
+            [enc["attention_mask"], torch.ones_like(seq[:, enc["input_ids"].shape[1] :])], 1)
         model.train()
         t2 = time.perf_counter()
         common.completion_logprobs(
-            model, seq, attn, seq.shape[1] - enc["input_ids"].shape[1]
-        ).sum().backward()
+            model, seq, attn, seq.shape[1] - enc["input_ids"].shape[1]).sum().backward()
         t3 = time.perf_counter()
         model.zero_grad()
         if step:
@@ -173,31 +157,17 @@ def trl(case):
 
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=len(case["prompts"]) * GROUP,
-            num_generations=GROUP,
-            max_completion_length=case["new_tokens"],
-            max_steps=case["steps"] + 1,
-            learning_rate=LR,
-            beta=0.0,
-            temperature=1.0,
-            num_iterations=1,
-            gradient_accumulation_steps=1,
-            logging_steps=1000,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-        )
+            output_dir=out, per_device_train_batch_size=len(case["prompts"]) * GROUP,
+            num_generations=GROUP, max_completion_length=case["new_tokens"],
+            max_steps=case["steps"] + 1, learning_rate=LR, beta=0.0, temperature=1.0,
+            num_iterations=1, gradient_accumulation_steps=1, logging_steps=1000, save_strategy="no",
+            report_to=[], use_cpu=True, bf16=False, seed=0)
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=lambda prompts, completions, **kw: case["reward"](completions, prompts),
             args=config,
             train_dataset=Dataset.from_dict({"prompt": case["prompts"] * (case["steps"] + 1)}),
-            processing_class=tokenizer,
-            callbacks=[Clock()],
-        )
+            processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
     timed = slice(1, case["steps"] + 1)  # the first step is the warm-up
     step = sum(b - a for a, b in zip(stamps[timed.start - 1 :], stamps[timed])) / case["steps"]

@@ -44,18 +44,8 @@ def epoch_costs(train_steps, epochs=20):
                 flow_grpo.Args,
                 flow_grpo.PRESETS,
                 [
-                    "--quiet",
-                    "--epochs",
-                    str(epochs),
-                    "--eval-every",
-                    "1000",
-                    "--eval-per-prompt",
-                    "2",
-                    "--train-steps",
-                    str(train_steps),
-                    "--out-dir",
-                    tmp,
-                ],
+                    "--quiet", "--epochs", str(epochs), "--eval-every", "1000", "--eval-per-prompt",
+                    "2", "--train-steps", str(train_steps), "--out-dir", tmp],
             )
             flow_grpo.train(args)
             secs = [
@@ -86,16 +76,8 @@ def final_quality(train_steps, seed):
             flow_grpo.Args,
             flow_grpo.PRESETS,
             [
-                "--quiet",
-                "--train-steps",
-                str(train_steps),
-                "--seed",
-                str(seed),
-                "--eval-every",
-                "1000",
-                "--out-dir",
-                tmp,
-            ],
+                "--quiet", "--train-steps", str(train_steps), "--seed", str(seed), "--eval-every",
+                "1000", "--out-dir", tmp],
         )
         summary = flow_grpo.train(args)
     return {
@@ -109,8 +91,7 @@ if __name__ == "__main__":
     fast, full = epoch_costs(10), epoch_costs(40)
     print(
         json.dumps(
-            {"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)}
-        )
+            {"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)})
     )
     for seed in (0, 1):
         print(

@@ -22,43 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
+from utils import models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
     "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
 SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 
 
 def peak_flops(device):
@@ -85,9 +64,8 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(
-            model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
-        )
-    common.check_master_weights(model)
+            model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+    models.check_master_weights(model)
     autocast = common.training_autocast(device)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
@@ -97,13 +75,8 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     start = time.time()
     with torch.no_grad(), autocast:
         seq = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-        )
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     sync(device)
     gen_s = time.time() - start
     attn, mask = torch.ones_like(seq), torch.ones(n, new_tokens, device=device)
@@ -139,11 +112,8 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     transformer = SD3Transformer2DModel(**config).to(device, dtype).requires_grad_(False)
     transformer.add_adapter(
         LoraConfig(
-            r=lora_rank,
-            lora_alpha=2 * lora_rank,
-            init_lora_weights="gaussian",
-            target_modules=flow_grpo.SD3_LORA_TARGETS,
-        )
+            r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
+            target_modules=flow_grpo.SD3_LORA_TARGETS)
     )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     for p in trainable:
@@ -158,11 +128,8 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     def velocity(x, sigma, cond):
         with autocast:
             return transformer(
-                hidden_states=x.to(dtype),
-                timestep=(1000 * sigma).float().expand(len(x)),
-                encoder_hidden_states=cond[0],
-                pooled_projections=cond[1],
-                return_dict=False,
+                hidden_states=x.to(dtype), timestep=(1000 * sigma).float().expand(len(x)),
+                encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False
             )[0].float()
 
     sigmas = flow_grpo.schedule(steps, 3.0, device)
@@ -179,16 +146,8 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     for j in range(steps - 1):
         v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], cond, empty, 4.5)
         loss, _, _ = flow_grpo.step_loss(
-            v,
-            None,
-            latents[j],
-            latents[j + 1],
-            sigmas[j],
-            sigmas[j + 1],
-            old_logp[j],
-            advantages,
-            loss_args,
-        )
+            v, None, latents[j], latents[j + 1], sigmas[j], sigmas[j + 1], old_logp[j], advantages,
+            loss_args)
         (loss / (steps - 1)).backward()
     optimizer.step()
     sync(device)
@@ -212,29 +171,16 @@ def main():
     _, device = common.setup_accelerator("auto")
     if args.tiny:
         small = dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=512,
-        )
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512)
         jobs = [
             lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device),
             lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device),
             lambda: sd3_step(
                 dict(
-                    sample_size=16,
-                    patch_size=1,
-                    in_channels=4,
-                    num_layers=1,
-                    attention_head_dim=8,
-                    num_attention_heads=4,
-                    joint_attention_dim=32,
-                    caption_projection_dim=32,
-                    pooled_projection_dim=64,
-                    out_channels=4,
-                ),
+                    sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+                    num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+                    pooled_projection_dim=64, out_channels=4),
                 4,
                 2,
                 3,
@@ -246,8 +192,7 @@ def main():
         jobs = [
             lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device),
             lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device),
-            lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device),
-        ]
+            lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device)]
     for job in jobs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -20,18 +20,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from utils import models  # noqa: E402
 
 
 def generation_throughput(hidden, batch, new_tokens=64):
-    tokenizer = common.make_tokenizer([f"w{i}" for i in range(60)])
-    model = common.tiny_causal_lm(len(tokenizer), hidden_size=hidden, num_heads=4).eval()
+    tokenizer = models.make_tokenizer([f"w{i}" for i in range(60)])
+    model = models.tiny_causal_lm(len(tokenizer), hidden_size=hidden, num_heads=4).eval()
     prompts = [" ".join(f"w{(i + j) % 60}" for j in range(8)) for i in range(batch)]
     with torch.no_grad():
         common.sample_completions(model, tokenizer, prompts[:2], 4, stop_at_eos=False)  # warm-up
         start = time.time()
         completions = common.sample_completions(
-            model, tokenizer, prompts, new_tokens, stop_at_eos=False
-        )
+            model, tokenizer, prompts, new_tokens, stop_at_eos=False)
     return sum(len(ids) for _, ids, _ in completions) / (time.time() - start)
 
 
@@ -39,11 +39,8 @@ def peak_rss_mib(script):
     """Peak RSS of one toy run, from the kernel's accounting of that child alone (os.wait4)."""
     with tempfile.TemporaryDirectory() as out:
         child = subprocess.Popen(
-            [sys.executable, str(ROOT / script), "--quiet", "--out-dir", out],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+            [sys.executable, str(ROOT / script), "--quiet", "--out-dir", out], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:

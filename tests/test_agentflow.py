@@ -9,12 +9,12 @@ import torch
 
 import agentflow
 import common
+from utils import models
 
 
 def toy_args(tmp_path, *extra):
     return common.parse_args(
-        agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
-    )
+        agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
 
 
 def test_every_turn_of_a_trajectory_carries_its_group_normalised_reward():
@@ -34,15 +34,14 @@ def test_every_turn_of_a_trajectory_carries_its_group_normalised_reward():
 
 def test_turn_rows_variant_counts_long_trajectories_more():
     rows = agentflow.broadcast_advantages(
-        torch.tensor([1.0, 0.0]), [3, 1], group_size=2, mode="turn-rows"
-    )
+        torch.tensor([1.0, 0.0]), [3, 1], group_size=2, mode="turn-rows")
     # rows: 1, 1, 1, 0 → mean 0.75, sample std 0.5 → (1 − 0.75)/0.5 = 0.5 and (0 − 0.75)/0.5 = −1.5
     torch.testing.assert_close(rows, torch.tensor([0.5, 0.5, 0.5, -1.5]), atol=1e-3, rtol=0)
 
 
 def test_turns_of_different_lengths_batch_with_masks_that_score_only_planner_tokens():
-    tokenizer = common.make_tokenizer("q a b c d e".split())
-    model = common.tiny_causal_lm(len(tokenizer)).eval()
+    tokenizer = models.make_tokenizer("q a b c d e".split())
+    model = models.tiny_causal_lm(len(tokenizer)).eval()
     prompts = ["q a", "q a b c d", "q"]
     completions = [tokenizer.convert_tokens_to_ids(x) for x in (["b"], ["c", "d"], ["e", "a", "b"])]
     ids, attn, mask = common.pack_completions(tokenizer, prompts, completions, "cpu")
@@ -72,8 +71,7 @@ def scripted(outputs):
 @pytest.fixture(scope="module")
 def toy_world():
     args = common.parse_args(
-        agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"]
-    )
+        agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
     return agentflow.build_toy(args, torch.device("cpu"))
 
 
@@ -85,8 +83,7 @@ def test_malformed_plan_is_an_error_observation_and_the_episode_goes_on(toy_worl
     query = two_step_query(toy_world)
     a, op, b = query["shape"]
     plan = scripted(
-        ["]] garbage ((", "lookup Z nothing", f"lookup A {a}", f"lookup B {b}", f"calc {op}"]
-    )
+        ["]] garbage ((", "lookup Z nothing", f"lookup A {a}", f"lookup B {b}", f"calc {op}"])
     (trajectory,) = agentflow.run_agent([query], toy_world, plan, max_turns=10)
     entries = trajectory["memory"].entries
     assert [e["ok"] for e in entries] == [False, False, True, True, True]
@@ -98,8 +95,7 @@ def test_malformed_plan_is_an_error_observation_and_the_episode_goes_on(toy_worl
 def test_the_turn_cap_holds(toy_world):
     query = two_step_query(toy_world)
     (trajectory,) = agentflow.run_agent(
-        [query], toy_world, scripted([f"lookup A {query['shape'][0]}"] * 10), max_turns=3
-    )
+        [query], toy_world, scripted([f"lookup A {query['shape'][0]}"] * 10), max_turns=3)
     assert len(trajectory["turns"]) == 3 and trajectory["verdicts"] == ["CONTINUE"] * 3
 
 
@@ -113,10 +109,8 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
     for name in ["a", "b"]:
         summary = agentflow.train(
             toy_args(
-                tmp_path / name,
-                *("--steps", "3", "--eval-every", "3", "--no-ablation"),
-                *("--warm-start-steps", "20"),
-            )
+                tmp_path / name, *("--steps", "3", "--eval-every", "3", "--no-ablation"),
+                *("--warm-start-steps", "20"))
         )
         # re-padded training batch = the sampler's log-probs
         assert summary["sampler_logprob_max_dev"] < 1e-3
@@ -128,11 +122,7 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
         )
     assert runs[0] == runs[1]
     assert {
-        "accuracy_before",
-        "accuracy_after",
-        "mean_turns",
-        "tool_error_rate",
-        "wall_seconds",
+        "accuracy_before", "accuracy_after", "mean_turns", "tool_error_rate", "wall_seconds"
     } <= set(summary)
     assert "turn 1:" in (tmp_path / "b" / "rollouts.txt").read_text()
 
@@ -147,13 +137,12 @@ def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
 def tiny_planner(tmp_path):
     words = "Question: Tools: Memory: Sub-goal: Tool: python retrieve generate STOP CONTINUE"
     words = (words + " Answer: 1 2 3").split()
-    tokenizer = common.make_tokenizer(words)
+    tokenizer = models.make_tokenizer(words)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     (tmp_path / "qa.jsonl").write_text(
-        '{"question": "1 2", "answer": "3"}\n{"question": "2 1", "answer": "3"}\n'
-    )
+        '{"question": "1 2", "answer": "3"}\n{"question": "2 1", "answer": "3"}\n')
     (tmp_path / "corpus.jsonl").write_text('{"text": "one two three"}\n')
     return tmp_path / "tiny"
 
@@ -164,32 +153,10 @@ def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
         agentflow.Args,
         agentflow.PRESETS,
         [
-            "--preset",
-            "full",
-            "--model",
-            str(model),
-            "--data",
-            str(tmp_path / "qa.jsonl"),
-            "--eval-data",
-            str(tmp_path / "qa.jsonl"),
-            "--corpus",
-            str(tmp_path / "corpus.jsonl"),
-            "--steps",
-            "1",
-            "--queries-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "6",
-            "--lora-rank",
-            "4",
-            "--device",
-            "cpu",
-            "--quiet",
-            "--out-dir",
-            str(tmp_path / "run"),
-        ],
+            "--preset", "full", "--model", str(model), "--data", str(tmp_path / "qa.jsonl"),
+            "--eval-data", str(tmp_path / "qa.jsonl"), "--corpus", str(tmp_path / "corpus.jsonl"),
+            "--steps", "1", "--queries-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
+            "--lora-rank", "4", "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")],
     )
     # AgentFlow's setup; LoRA lr = 10 × 1e-6
     assert args.lr == 1e-5 and args.beta == 0.001 and args.clip_eps_high == 0.3
@@ -206,8 +173,7 @@ def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
         (["--preset", "full", "--data", ""], "needs --data"),
         (
             ["--preset", "full", "--data", "/nonexistent.jsonl", "--model", "/nonexistent/model"],
-            "could not load",
-        ),
+            "could not load"),
     ],
 )
 def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
@@ -222,25 +188,15 @@ def test_missing_and_malformed_data_files(tmp_path):
         with pytest.raises(SystemExit, match=message):
             agentflow.train(
                 toy_args(
-                    tmp_path,
-                    "--preset",
-                    "full",
-                    "--model",
-                    str(model),
-                    "--lora-rank",
-                    "4",
-                    "--data",
-                    str(tmp_path / data),
-                )
+                    tmp_path, "--preset", "full", "--model", str(model), "--lora-rank", "4",
+                    "--data", str(tmp_path / data))
             )
 
 
 def test_plan_parser_reads_the_official_fields_in_any_case():
     system = agentflow.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
     assert system.parse_plan("Sub-Goal: find the\ncapital of France\nTool: retrieve") == (
-        "retrieve",
-        "find the capital of France",
-    )
+        "retrieve", "find the capital of France")
     assert system.parse_plan("**sub-goal:** x\n**tool:** Python") == ("python", "x")
     for bad in ["Tool: python", "Sub-Goal: x", "Sub-Goal: x\nTool: shell"]:
         with pytest.raises(ValueError):
@@ -251,10 +207,8 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
     system = agentflow.ToolSystem([], [], None, None, lambda q: "found", 1.0, 8, 8, ())
     seen = []
     monkeypatch.setattr(
-        agentflow.ToolSystem,
-        "frozen",
-        lambda self, prompts, max_new_tokens=None: seen.extend(prompts) or ["Paris"] * len(prompts),
-    )
+        agentflow.ToolSystem, "frozen",
+        lambda self, prompts, max_new_tokens=None: seen.extend(prompts) or ["Paris"] * len(prompts))
     memory = agentflow.Memory()
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)
     system.execute([({"question": "q"}, "retrieve", "check it", memory)])

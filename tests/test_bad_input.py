@@ -30,8 +30,7 @@ def test_help_lists_every_flag(name, capsys):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize(
-    "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]]
-)
+    "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]])
 def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, argv)
@@ -45,8 +44,7 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
         case
     ]
     args = common.parse_args(
-        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
-    )
+        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS[name].train(args)
     message = str(exit_info.value)
@@ -55,10 +53,8 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
 
 def test_flow_grpo_refuses_to_train_on_the_ode(tmp_path):
     args = common.parse_args(
-        flow_grpo.Args,
-        flow_grpo.PRESETS,
-        ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)],
-    )
+        flow_grpo.Args, flow_grpo.PRESETS,
+        ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="ODE"):
         flow_grpo.train(args)
 

@@ -1,5 +1,6 @@
 """common.py: every function on hand-computed numbers or an independent reference."""
 
+import json
 import math
 import os
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import common
+from utils import models, sweep, tracking
 
 
 def test_group_advantages_hand_numbers():
@@ -18,8 +20,7 @@ def test_group_advantages_hand_numbers():
     torch.testing.assert_close(a[3:], torch.tensor([-1.0, 0.0, 1.0]))  # mean 2, sample std 2
     torch.testing.assert_close(
         common.group_advantages(r, 3, scale="none"),
-        torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]),
-    )
+        torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
 
 
 def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
@@ -29,8 +30,7 @@ def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
     a.sum().backward()
     assert torch.isfinite(r.grad).all()
     assert common.zero_variance_fraction(
-        torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2
-    ) == pytest.approx(2 / 3)
+        torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("bad", [dict(group_size=1), dict(group_size=4)])
@@ -51,8 +51,7 @@ def test_token_logprobs_equals_log_softmax_gather():
     ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
     torch.testing.assert_close(common.token_logprobs(logits, labels), ref)
     torch.testing.assert_close(
-        common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0
-    )
+        common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0)
 
 
 def test_masked_mean_and_sequence_logprob():
@@ -62,8 +61,7 @@ def test_masked_mean_and_sequence_logprob():
     torch.testing.assert_close(common.masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
     torch.testing.assert_close(common.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
     torch.testing.assert_close(
-        common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0])
-    )
+        common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
 
 
 def test_gaussian_logprob_equals_normal_log_prob_averaged():
@@ -82,20 +80,16 @@ def script_losses():
 
     return {
         "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(
-            lp, old, adv, m, eps, m.sum()
-        ),
+            lp, old, adv, m, eps, m.sum()),
         "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(
-            lp, old, lp.detach(), adv, m, eps, 0.0, m.sum()
-        ),
+            lp, old, lp.detach(), adv, m, eps, 0.0, m.sum()),
         "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
-            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()
-        ),
+            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()),
     }
 
 
 @pytest.mark.parametrize(
-    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
-)
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
 def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
@@ -107,8 +101,7 @@ def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
-)
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
 def test_clipped_loss_gradient_vanishes_where_clip_binds(name):
     old = torch.zeros(4, 1)
     # ratios 1.5 (A>0: clipped), 0.5 (A>0: not clipped), 1.5 (A<0: not clipped), 0.5 (A<0: clipped)
@@ -138,7 +131,7 @@ def test_token_mean_over_micro_batches_equals_the_one_shot_gradient():
 
 
 def test_micro_batches_stay_within_the_token_budget():
-    tok = common.make_tokenizer(list("abcdef"))
+    tok = models.make_tokenizer(list("abcdef"))
     prompts = ["a b", "a b c d e f", "c", "d e", "f"]
     completions = [[1, 2], [3], [4, 5, 6], [1], [2, 3, 4, 5]]
     batches = common.micro_batches(tok, prompts, completions, token_budget=8)
@@ -160,58 +153,51 @@ def test_k3_nonnegative_zero_at_equality_and_unbiased():
     est = common.kl_penalty(p.log()[y], q.log()[y], "k3").mean()
     assert est.item() == pytest.approx(exact.item(), abs=0.01)
     assert common.kl_penalty(p.log()[y], q.log()[y], "k1").mean().item() == pytest.approx(
-        exact.item(), abs=0.01
-    )
+        exact.item(), abs=0.01)
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
     t = {"w": torch.randn(3, 4), "rng": torch.get_rng_state()}
-    common.save_checkpoint(tmp_path / "ckpt.safetensors", t, {"step": 7, "metrics": [1.5]})
-    loaded, state = common.load_checkpoint(tmp_path / "ckpt.safetensors")
+    tracking.save_checkpoint(tmp_path / "ckpt.safetensors", t, {"step": 7, "metrics": [1.5]})
+    loaded, state = tracking.load_checkpoint(tmp_path / "ckpt.safetensors")
     assert state == {"step": 7, "metrics": [1.5]}
     assert all(torch.equal(t[k], loaded[k]) for k in t)
 
 
 def test_interrupted_checkpoint_write_keeps_the_old_one(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.safetensors"
-    common.save_checkpoint(path, {"w": torch.zeros(2)}, {"step": 1})
+    tracking.save_checkpoint(path, {"w": torch.zeros(2)}, {"step": 1})
 
     def crash(src, dst):
         raise KeyboardInterrupt("killed mid-write")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        common.save_checkpoint(path, {"w": torch.ones(2)}, {"step": 2})
-    loaded, state = common.load_checkpoint(path)
+        tracking.save_checkpoint(path, {"w": torch.ones(2)}, {"step": 2})
+    loaded, state = tracking.load_checkpoint(path)
     assert state["step"] == 1 and torch.equal(loaded["w"], torch.zeros(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]  # no temp file left
 
 
 def test_tiny_tokenizer_and_model_round_trip():
-    tok = common.make_tokenizer(["a", "b", "c"], special_tokens=["<|high_reward|>"])
+    tok = models.make_tokenizer(["a", "b", "c"], special_tokens=["<|high_reward|>"])
     ids = tok("a <|high_reward|> c b")["input_ids"]
     assert tok.decode(ids) == "a <|high_reward|> c b"
     assert len(ids) == 4
-    model = common.tiny_causal_lm(len(tok))
+    model = models.tiny_causal_lm(len(tok))
     out = model(input_ids=torch.tensor([ids]))
     assert out.logits.shape == (1, 4, len(tok))
 
 
 def test_completion_logprobs_match_generate_scores_under_left_padding():
-    tok = common.make_tokenizer(list("abcdef"))
-    model = common.tiny_causal_lm(len(tok)).eval()
+    tok = models.make_tokenizer(list("abcdef"))
+    model = models.tiny_causal_lm(len(tok)).eval()
     tok.padding_side = "left"
     enc = tok(["a b c", "d"], return_tensors="pt", padding=True)
     torch.manual_seed(0)
     out = model.generate(
-        **enc,
-        do_sample=True,
-        max_new_tokens=4,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=None,
-    )
+        **enc, do_sample=True, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=None)
     seq = out.sequences
     mask = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1)
     with torch.no_grad():
@@ -237,10 +223,8 @@ def test_parse_args_presets_and_errors():
 
     Args.__module__ = __name__
     a = common.parse_args(
-        Args,
-        {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
-        ["--preset", "full", "--lr", "0.5"],
-    )
+        Args, {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
+        ["--preset", "full", "--lr", "0.5"])
     assert (a.model, a.lr, a.lora, a.preset) == ("Qwen/Qwen2.5-0.5B", 0.5, False, "full")
     with pytest.raises(SystemExit):
         common.parse_args(Args, {}, ["--no-such-flag"])
@@ -250,15 +234,15 @@ def test_parse_args_presets_and_errors():
 
 def test_load_causal_lm_offline_error_points_at_toy():
     with pytest.raises(SystemExit, match="--preset toy"):
-        common.load_causal_lm("no-such-org/no-such-model-xyz", torch.device("cpu"))
+        models.load_causal_lm("no-such-org/no-such-model-xyz", torch.device("cpu"))
 
 
 def test_parse_seeds_ranges_lists_and_errors():
-    assert common.parse_seeds("0-4") == [0, 1, 2, 3, 4]
-    assert common.parse_seeds("1,3,7") == [1, 3, 7]
+    assert sweep.parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert sweep.parse_seeds("1,3,7") == [1, 3, 7]
     for bad in ["", "a-b", "3-1", "-1"]:
         with pytest.raises(SystemExit, match="--seeds"):
-            common.parse_seeds(bad)
+            sweep.parse_seeds(bad)
 
 
 def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
@@ -280,7 +264,7 @@ def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
 
     args = Args()
     args.preset = "toy"
-    result = common.seed_sweep(
+    result = sweep.seed_sweep(
         train,
         args,
         [("a", {"algo": "a"}), ("b", {"algo": "b"})],
@@ -295,3 +279,15 @@ def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
     table = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "| 2 | 0.500 | 2.000 | yes |" in table and "2/3" in table
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
+
+
+def test_demo_table_reads_each_runs_own_claim(tmp_path):
+    for name, summary in [
+        ("a", {"claim": {"text": "A goes up", "before": 0.25, "after": 0.75}, "wall_seconds": 3}),
+        ("b", {"wall_seconds": 1}),  # no claim: not a demo row
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    lines = sweep.demo_table(tmp_path).splitlines()
+    assert len(lines) == 2
+    assert lines[1].split() == ["a", "A", "goes", "up", "0.250", "→", "0.750", "3"]

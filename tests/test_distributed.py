@@ -27,17 +27,14 @@ def train_and_load(tmp_path, name, processes, flags):
     """Each rank's trainable parameters after `flags` ran in `processes` processes (1: in this
     process)."""
     prefix, common_flags = (
-        tmp_path / name,
-        ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"],
-    )
+        tmp_path / name, ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"])
     if processes == 1:
         module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
         ddp_driver.optimizers.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.optim, "AdamW", ddp_driver.RecordingAdamW)
             module.train(
-                common.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags])
-            )
+                common.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
         return [
             [
                 p.detach().clone()
@@ -46,17 +43,9 @@ def train_and_load(tmp_path, name, processes, flags):
             ]
         ]
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes}",
-        str(ROOT / "tests" / "ddp_driver.py"),
-        flags[0],
-        str(prefix),
-        *flags[1:],
-        *common_flags,
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={processes}", str(ROOT / "tests" / "ddp_driver.py"), flags[0],
+        str(prefix), *flags[1:], *common_flags]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
     )
@@ -72,31 +61,11 @@ def distance(a, b):
     "flags",
     [
         [
-            "flowrl",
-            "--algo",
-            "grpo",
-            "--steps",
-            "2",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "16",
-            "--eval-every",
-            "100",
-        ],
+            "flowrl", "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2", "--group-size",
+            "16", "--eval-every", "100"],
         [
-            "flow_grpo",
-            "--epochs",
-            "2",
-            "--prompts-per-epoch",
-            "4",
-            "--minibatches",
-            "1",
-            "--eval-per-prompt",
-            "2",
-            "--eval-every",
-            "100",
-        ],
+            "flow_grpo", "--epochs", "2", "--prompts-per-epoch", "4", "--minibatches", "1",
+            "--eval-per-prompt", "2", "--eval-every", "100"],
     ],
     ids=["flowrl-grpo", "flow_grpo"],
 )

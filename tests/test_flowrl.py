@@ -9,20 +9,19 @@ import torch
 
 import common
 import flowrl
+from utils import models
 
 
 def toy_args(tmp_path, *extra):
     return common.parse_args(
-        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
-    )
+        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
 
 
 def test_trajectory_balance_loss_hand_numbers():
     log_z = torch.tensor([0.5, 0.5])
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5])
-    )
+        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5]))
     # residuals: 0.5 − 1 − 2 + 1.5 = −1 ; 0.5 − 2 − 0 + 1 = −0.5 → mean(1·1, 0.5·0.25) = 0.5625
     torch.testing.assert_close(residual, torch.tensor([-1.0, -0.5]))
     assert loss.item() == pytest.approx(0.5625)
@@ -37,15 +36,13 @@ def test_loss_and_gradient_vanish_at_the_target_with_the_true_normaliser():
     log_z = (torch.logsumexp(ref_seq + beta * length * reward, 0) / length).requires_grad_()
     logp = (log_target / length).clone().requires_grad_()  # length-normalised
     loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref_seq / length, reward, beta, torch.ones(64)
-    )
+        log_z, logp, ref_seq / length, reward, beta, torch.ones(64))
     loss.backward()
     assert residual.abs().max() < 1e-5 and loss.item() < 1e-10
     assert logp.grad.abs().max() < 1e-6 and log_z.grad.abs() < 1e-5
     # and a wrong normaliser is not an optimum
     loss_off, _ = flowrl.trajectory_balance_loss(
-        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64)
-    )
+        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64))
     assert loss_off.item() > 1e-3
 
 
@@ -72,8 +69,7 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
             prob = 1.0
             for t in range(3):
                 probs = torch.softmax(
-                    model(input_ids=torch.tensor([prompt + list(answer[:t])])).logits[0, -1], -1
-                )
+                    model(input_ids=torch.tensor([prompt + list(answer[:t])])).logits[0, -1], -1)
                 prob *= probs[answer[t]].item()
             assert pi[j] == pytest.approx(prob, rel=1e-4)
     # KL(π_ref‖p*) in closed form: log E_ref[e^{3βr}] − 3β·E_ref[r]
@@ -82,8 +78,7 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     closed = torch.log((p * torch.exp(3.0 * r)).sum()) - 3.0 * (p * r).sum()
     assert closed.item() == pytest.approx(_kl(pi, target), abs=1e-4)
     assert metrics["kl_policy_to_target"] == pytest.approx(
-        sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4
-    )
+        sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4)
 
 
 def _kl(p, q):
@@ -107,8 +102,7 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
 def test_toy_with_lora_uses_the_adapter_off_model_as_reference(tmp_path):
     summary = flowrl.train(
         toy_args(
-            tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2", "--group-size", "16"
-        )
+            tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2", "--group-size", "16")
     )
     assert summary["sampler_logprob_max_dev"] < 1e-3 and summary["kl_policy_to_target"] > 0
 
@@ -175,39 +169,18 @@ def test_math_answer_checker(completion, answer, reward):
 def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    tokenizer = common.make_tokenizer(
-        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789")
-    )
-    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer = models.make_tokenizer(
+        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     args = common.parse_args(
         flowrl.Args,
         flowrl.PRESETS,
         [
-            "--preset",
-            "full",
-            "--model",
-            str(tmp_path / "tiny"),
-            "--data",
-            "tests/data/math_tiny.jsonl",
-            "--eval-data",
-            "tests/data/math_tiny.jsonl",
-            "--steps",
-            "2",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "6",
-            "--eval-k",
-            "2",
-            "--quiet",
-            "--out-dir",
-            str(tmp_path / "run"),
-            "--device",
-            "cpu",
-        ],
+            "--preset", "full", "--model", str(tmp_path / "tiny"), "--data",
+            "tests/data/math_tiny.jsonl", "--eval-data", "tests/data/math_tiny.jsonl", "--steps",
+            "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
+            "--eval-k", "2", "--quiet", "--out-dir", str(tmp_path / "run"), "--device", "cpu"],
     )
     # FlowRL's paper defaults
     assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6
@@ -221,34 +194,28 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--group-size", "1"], "group-size"),
-        (["--lr", "-1"], "--lr"),
-        (["--clip-eps", "0"], "--clip-eps"),
-        (["--preset", "full", "--data", ""], "needs --data"),
+        (["--group-size", "1"], "group-size"), (["--lr", "-1"], "--lr"),
+        (["--clip-eps", "0"], "--clip-eps"), (["--preset", "full", "--data", ""], "needs --data"),
         (["--task", "numbers"], "needs --model"),
         (["--model", "smollm2"], "valleys toy builds its own model"),
-        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none"),
-    ],
+        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none")],
 )
 def test_bad_flags_get_one_clear_message(tmp_path, argv, message):
     args = common.parse_args(
-        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
-    )
+        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=message):
         flowrl.train(args)
 
 
 def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
-    tokenizer = common.make_tokenizer(["a"])
-    common.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer = models.make_tokenizer(["a"])
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
     cases = [
         (
-            str(tmp_path / "no-such-model"),
-            "tests/data/math_tiny.jsonl",
-            "could not load.*--preset toy",
-        ),
+            str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl",
+            "could not load.*--preset toy"),
         (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "not found"),
         (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2 is not a JSON object"),
     ]
@@ -257,16 +224,8 @@ def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
             flowrl.Args,
             flowrl.PRESETS,
             [
-                "--preset",
-                "full",
-                "--model",
-                model,
-                "--data",
-                data,
-                "--quiet",
-                "--out-dir",
-                str(tmp_path / "run"),
-            ],
+                "--preset", "full", "--model", model, "--data", data, "--quiet", "--out-dir",
+                str(tmp_path / "run")],
         )
         with pytest.raises(SystemExit, match=message):
             flowrl.train(args)
@@ -276,8 +235,7 @@ def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     flowrl.train(
-        toy_args(tmp_path, "--steps", "2", "--group-size", "4", "--report-to", "tensorboard")
-    )
+        toy_args(tmp_path, "--steps", "2", "--group-size", "4", "--report-to", "tensorboard"))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -328,8 +286,8 @@ def tiny_chat_model(tmp_path_factory):
     """A tiny random causal LM saved as an HF folder whose vocabulary covers the laptop prompts."""
     folder = tmp_path_factory.mktemp("tiny_chat")
     words = "What is a + ? Reply with only the number.".split() + [str(n) for n in range(100)]
-    tokenizer = common.make_tokenizer(words)
-    common.tiny_causal_lm(len(tokenizer)).save_pretrained(folder)
+    tokenizer = models.make_tokenizer(words)
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -339,26 +297,9 @@ def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
     preset = f"smollm2-{task}"
     summary = flowrl.train(
         toy_args(
-            tmp_path,
-            "--preset",
-            preset,
-            "--model",
-            str(tiny_chat_model),
-            "--algo",
-            algo,
-            "--steps",
-            "2",
-            "--eval-every",
-            "1",
-            "--group-size",
-            "2",
-            "--spread-samples",
-            "4",
-            "--max-new-tokens",
-            "2",
-            "--device",
-            "cpu",
-        )
+            tmp_path, "--preset", preset, "--model", str(tiny_chat_model), "--algo", algo,
+            "--steps", "2", "--eval-every", "1", "--group-size", "2", "--spread-samples", "4",
+            "--max-new-tokens", "2", "--device", "cpu")
     )
     assert summary["sampler_logprob_max_dev"] < 1e-3
     if task == "numbers":

@@ -12,8 +12,7 @@ import pytest
 import agentflow
 
 pytestmark = pytest.mark.skipif(
-    not agentflow.sandbox_isolates(), reason="needs root and util-linux unshare"
-)
+    not agentflow.sandbox_isolates(), reason="needs root and util-linux unshare")
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-123"
@@ -49,10 +48,7 @@ def outside(tmp_path_factory):
 def hostile_programs(o):
     d, pid = o["dir"], o["pid"]
     udp, tcp, udp6 = (
-        o["udp"].getsockname()[1],
-        o["tcp"].getsockname()[1],
-        o["udp6"].getsockname()[1],
-    )
+        o["udp"].getsockname()[1], o["tcp"].getsockname()[1], o["udp6"].getsockname()[1])
     return {
         "os.system": f"import os; os.system('touch {d}/a')",
         "subprocess": f"import subprocess; subprocess.run(['touch', '{d}/b'])",
@@ -122,8 +118,7 @@ def test_hostile_programs_have_no_effect_outside(outside):
     for name, code in programs.items():
         start = time.time()
         output, _ = agentflow.python_tool(
-            code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"]
-        )
+            code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"])
         assert time.time() - start < 6, name
         assert SECRET not in output and GOLD not in output, name
         assert len(output) < 2100, name
@@ -147,6 +142,5 @@ def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
     )
     assert ok and output == "45 {2: 3, 3: 2, 5: 1} [-2, 2]"
     output, ok = agentflow.python_tool(
-        "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())"
-    )
+        "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())")
     assert ok and output == "hi"

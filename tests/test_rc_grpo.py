@@ -11,6 +11,7 @@ import torch
 
 import common
 import rc_grpo
+from utils import models
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,7 @@ def test_all_800_entries_load_and_split_720_80(entries):
     train, test = rc_grpo.split_entries(entries)
     assert len(train) == 720 and len(test) == 80
     assert {c: sum(e["category"] == c for e in test) for c in rc_grpo.CATEGORIES} == dict.fromkeys(
-        rc_grpo.CATEGORIES, 20
-    )
+        rc_grpo.CATEGORIES, 20)
 
 
 def test_ground_truth_replay_scores_one_on_every_entry_for_both_rewards(entries):
@@ -68,8 +68,7 @@ def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
     }
     assert (
         rc_grpo.trajectory_reward(
-            entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]]
-        )
+            entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]])
         == 1.0
     )
     # a ground-truth call is missing
@@ -80,30 +79,18 @@ def test_positional_and_keyword_arguments_both_dispatch_and_compare_equal():
     entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm('a.txt')"]]}
     env = rc_grpo.BFCLEnv(entry)
     assert env.execute(rc_grpo.parse_calls("[cd('docs')]")) == env.execute(
-        rc_grpo.parse_calls("[cd(folder='.')]")
-    )
+        rc_grpo.parse_calls("[cd(folder='.')]"))
     assert "a.txt" in env.execute(rc_grpo.parse_calls("ls()"))[0]
     assert rc_grpo.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
 
 
 HOSTILE = [
     "[__import__('os').system('touch {marker}')]",
-    "[cd(folder=__import__('os').system('touch {marker}'))]",
-    "[os.system('touch {marker}')]",
-    "[cd(folder='a').__class__]",
-    "[cd(folder=(lambda: 1)())]",
-    "[cd(folder=[x for x in 'ab'])]",
-    "[cd(folder=1 + 2)]",
-    "[cd(folder=9 ** 9 ** 9)]",
-    "[_load_scenario({{}})]",
-    "[__init__()]",
-    "[cd(*['a'])]",
-    "[cd(**{{'folder': 'a'}})]",
-    "[cd(folder=ls())]",
-    "[" * 5000 + "]" * 5000,
-    "[cd(folder='" + "a" * 20000 + "')]",
-    "[exec('print(1)') for _ in 'a']",
-]
+    "[cd(folder=__import__('os').system('touch {marker}'))]", "[os.system('touch {marker}')]",
+    "[cd(folder='a').__class__]", "[cd(folder=(lambda: 1)())]", "[cd(folder=[x for x in 'ab'])]",
+    "[cd(folder=1 + 2)]", "[cd(folder=9 ** 9 ** 9)]", "[_load_scenario({{}})]", "[__init__()]",
+    "[cd(*['a'])]", "[cd(**{{'folder': 'a'}})]", "[cd(folder=ls())]", "[" * 5000 + "]" * 5000,
+    "[cd(folder='" + "a" * 20000 + "')]", "[exec('print(1)') for _ in 'a']"]
 
 
 def test_hostile_output_is_rejected_without_side_effects(tmp_path):
@@ -119,20 +106,15 @@ def test_hostile_output_is_rejected_without_side_effects(tmp_path):
     # names that parse but are not allow-listed methods: an error result, not a call
     env = rc_grpo.BFCLEnv(toy_entry(["a.txt"]))
     calls = rc_grpo.parse_calls(
-        f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]"
-    )
+        f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]")
     assert all(r.startswith("Error during execution") for r in env.execute(calls))
     assert not marker.exists()
 
 
 DEEP = [
-    "[" + "1+" * 800 + "1]",
-    "f(a=" + "1+" * 1500 + "1)",
-    "[" + "(" * 3000 + ")" * 3000 + "]",
-    "[f(" + "[" * 2000 + "]" * 2000 + ")]",
-    "[" + "-" * 5000 + "1]",
-    "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]",
-]
+    "[" + "1+" * 800 + "1]", "f(a=" + "1+" * 1500 + "1)", "[" + "(" * 3000 + ")" * 3000 + "]",
+    "[f(" + "[" * 2000 + "]" * 2000 + ")]", "[" + "-" * 5000 + "1]",
+    "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]"]
 
 
 @pytest.mark.parametrize("text", DEEP)
@@ -146,10 +128,8 @@ def scripted_world(monkeypatch, outputs):
     """A World whose `generate` is replaced by a script of outputs (the model is never called)."""
     script = iter(outputs)
     monkeypatch.setattr(
-        common,
-        "sample_completions",
-        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts],
-    )
+        common, "sample_completions",
+        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
     return rc_grpo.World([], [], None, None, chat=False, end_text="done")
 
 
@@ -164,15 +144,10 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
         "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]
     }
     hostile = [
-        f"[__import__('os').system('touch {marker}')]",
-        DEEP[0],
-        DEEP[1],
-        "[cd(folder=1 + 2)]",
-    ]
+        f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
         (run,) = rc_grpo.run_rollouts(
-            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS
-        )
+            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS)
         assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
@@ -186,13 +161,11 @@ def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(mon
         "ground_truth": [["ls()"], ["pwd()"]],
     }
     (run,) = rc_grpo.run_rollouts(
-        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS
-    )
+        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
     capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3)
     (run,) = rc_grpo.run_rollouts(
-        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped
-    )
+        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
     # 4 > 3 steps in turn 0: abandoned
     assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
 
@@ -247,16 +220,14 @@ def test_miss_func_functions_are_callable_only_after_their_turn(entries):
 
 def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
     train, _ = rc_grpo.toy_entries(10, 0, 0.15)
-    tokenizer = common.make_tokenizer(
-        ["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS
-    )
+    tokenizer = models.make_tokenizer(
+        ["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS)
     world = rc_grpo.World([], [], tokenizer, None, chat=False, end_text="done")
     samples = rc_grpo.trajectory_samples(world, train[0], rc_grpo.HIGH, train[0]["ground_truth"])
     assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")
     token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
     ids, attn, mask = common.pack_completions(
-        tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu"
-    )
+        tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu")
     scored = ids[:, -mask.shape[1] :][mask.bool()]
     assert token_ids & set(ids.flatten().tolist()) and not token_ids & set(scored.tolist())
 
@@ -292,22 +263,9 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
             rc_grpo.Args,
             rc_grpo.PRESETS,
             [
-                "--quiet",
-                "--toy-tasks",
-                "20",
-                "--toy-test-tasks",
-                "5",
-                "--steps",
-                "2",
-                "--tasks-per-step",
-                "2",
-                "--arms",
-                "rctp+rc-grpo",
-                "--failure-rollouts",
-                "1",
-                "--out-dir",
-                str(tmp_path / name),
-            ],
+                "--quiet", "--toy-tasks", "20", "--toy-test-tasks", "5", "--steps", "2",
+                "--tasks-per-step", "2", "--arms", "rctp+rc-grpo", "--failure-rollouts", "1",
+                "--out-dir", str(tmp_path / name)],
         )
         summary = rc_grpo.train(args)
         assert summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
@@ -330,8 +288,7 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
         rc_grpo.PRESETS,
         [
             *("--quiet", "--seed", "1", "--arms", "sft+grpo,rctp+rc-grpo"),
-            *("--toy-test-tasks", "60", "--out-dir", str(tmp_path)),
-        ],
+            *("--toy-test-tasks", "60", "--out-dir", str(tmp_path))],
     )
     s = rc_grpo.train(args)
     # Margin: over the five-seed sweep SFT+GRPO sits at 0.93–0.98 and RCTP+RC-GRPO at 0.31–0.58; the
@@ -345,45 +302,21 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
 
 def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     words = json.dumps(rc_grpo.load_bfcl_entries(["base"])[0]).split()[:2000]
-    tokenizer = common.make_tokenizer(words)
+    tokenizer = models.make_tokenizer(words)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
     )
-    common.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
+    models.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     args = common.parse_args(
         rc_grpo.Args,
         rc_grpo.PRESETS,
         [
-            "--preset",
-            "bfcl",
-            "--model",
-            str(tmp_path / "tiny"),
-            "--max-tasks",
-            "2",
-            "--steps",
-            "1",
-            "--tasks-per-step",
-            "1",
-            "--group-size",
-            "2",
-            "--failure-rollouts",
-            "1",
-            "--max-steps",
-            "2",
-            "--no-gradient-checkpointing",
-            "--max-new-tokens",
-            "4",
-            "--lora-rank",
-            "4",
-            "--rctp-epochs",
-            "1",
-            "--device",
-            "cpu",
-            "--quiet",
-            "--out-dir",
-            str(tmp_path / "run"),
-        ],
+            "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps",
+            "1", "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1",
+            "--max-steps", "2", "--no-gradient-checkpointing", "--max-new-tokens", "4",
+            "--lora-rank", "4", "--rctp-epochs", "1", "--device", "cpu", "--quiet", "--out-dir",
+            str(tmp_path / "run")],
     )
     # paper defaults, flags win
     assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2
@@ -399,15 +332,12 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--arms", "sft+ppo"], "--arms"),
-        (["--group-size", "1"], "group-size"),
+        (["--arms", "sft+ppo"], "--arms"), (["--group-size", "1"], "group-size"),
         (["--p-high", "1.5"], "p-high"),
-        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load"),
-    ],
+        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load")],
 )
 def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
     args = common.parse_args(
-        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
-    )
+        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
     with pytest.raises(SystemExit, match=message):
         rc_grpo.train(args)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+from utils import models
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.real
@@ -21,24 +22,15 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return Path(common.smollm2_checkpoint())
+    return Path(models.smollm2_checkpoint())
 
 
 def run(script, out_dir, *flags):
     """One CLI run in its own process (its peak RSS is its own); returns summary.json."""
     done = subprocess.run(
         [
-            sys.executable,
-            script,
-            "--model",
-            "smollm2",
-            "--device",
-            "cpu",
-            "--quiet",
-            "--out-dir",
-            str(out_dir),
-            *flags,
-        ],
+            sys.executable, script, "--model", "smollm2", "--device", "cpu", "--quiet", "--out-dir",
+            str(out_dir), *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -57,25 +49,9 @@ def moved(before, after_file, prefix=""):
 
 def flowrl_flags(group_size):
     return [
-        "flowrl.py",
-        "--preset",
-        "full",
-        "--data",
-        "tests/data/math_tiny.jsonl",
-        "--steps",
-        "1",
-        "--prompts-per-step",
-        "1",
-        "--group-size",
-        str(group_size),
-        "--max-new-tokens",
-        "16",
-        "--micro-batch-tokens",
-        "256",
-        "--gen-batch",
-        "4",
-        "--no-gradient-checkpointing",
-    ]
+        "flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
+        "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
+        "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing"]
 
 
 def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(smollm2, tmp_path):
@@ -89,19 +65,16 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(
     # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger
     # version of this step (2 prompts × G 8) measured +800 MiB
     assert large["peak_rss_mb"] - small["peak_rss_mb"] < 150, (
-        small["peak_rss_mb"],
-        large["peak_rss_mb"],
-    )
+        small["peak_rss_mb"], large["peak_rss_mb"])
 
 
 def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(smollm2):
-    tokenizer, model = common.load_causal_lm("smollm2", torch.device("cpu"))
+    tokenizer, model = models.load_causal_lm("smollm2", torch.device("cpu"))
     model.generation_config.repetition_penalty = (
         3.0  # a checkpoint setting the sampler must not inherit
     )
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
-    )
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True)
     torch.manual_seed(0)
     samples = common.sample_completions(model, tokenizer, [prompt] * 6, 24, 1.0, batch_rows=4)
     stop = set(common.eos_token_ids(model, tokenizer))
@@ -109,8 +82,7 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
         assert not stop & set(ids[:-1]) and len(logp) == len(ids)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
     ids, attn, mask = common.pack_completions(
-        tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu"
-    )
+        tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu")
     with torch.no_grad():
         logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
     old = common.place_logprobs(mask, [s[2] for s in samples])
@@ -120,30 +92,10 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
 
 def test_agentflow_on_smollm2(smollm2, tmp_path):
     summary = run(
-        "agentflow.py",
-        tmp_path,
-        "--preset",
-        "full",
-        "--data",
-        "tests/data/qa_tiny.jsonl",
-        "--corpus",
-        "tests/data/corpus_tiny.jsonl",
-        "--steps",
-        "1",
-        "--queries-per-step",
-        "1",
-        "--group-size",
-        "2",
-        "--max-turns",
-        "2",
-        "--max-new-tokens",
-        "12",
-        "--lora-rank",
-        "8",
-        "--micro-batch-tokens",
-        "1024",
-        "--no-gradient-checkpointing",
-    )
+        "agentflow.py", tmp_path, "--preset", "full", "--data", "tests/data/qa_tiny.jsonl",
+        "--corpus", "tests/data/corpus_tiny.jsonl", "--steps", "1", "--queries-per-step", "1",
+        "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "12", "--lora-rank", "8",
+        "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
     assert summary["sampler_logprob_max_dev"] <= 1e-3
     adapter = load_file(tmp_path / "planner" / "adapter_model.safetensors")
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -157,36 +109,11 @@ def test_agentflow_on_smollm2(smollm2, tmp_path):
 
 def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
     summary = run(
-        "rc_grpo.py",
-        tmp_path,
-        "--preset",
-        "bfcl",
-        "--tasks",
-        "multi_turn_base_1,multi_turn_base_49",
-        "--max-turns",
-        "1",
-        "--docs",
-        "needed",
-        "--steps",
-        "1",
-        "--tasks-per-step",
-        "1",
-        "--group-size",
-        "2",
-        "--failure-rollouts",
-        "1",
-        "--max-steps",
-        "1",
-        "--max-new-tokens",
-        "12",
-        "--lora-rank",
-        "8",
-        "--rctp-epochs",
-        "1",
-        "--micro-batch-tokens",
-        "1024",
-        "--no-gradient-checkpointing",
-    )
+        "rc_grpo.py", tmp_path, "--preset", "bfcl", "--tasks",
+        "multi_turn_base_1,multi_turn_base_49", "--max-turns", "1", "--docs", "needed", "--steps",
+        "1", "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1", "--max-steps",
+        "1", "--max-new-tokens", "12", "--lora-rank", "8", "--rctp-epochs", "1",
+        "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
     # stage 1 was merged into the weights; the saved stage-2 adapter starts from B = 0
@@ -197,23 +124,19 @@ def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
 
 
 def test_sample_command_prints_what_the_saved_model_writes(smollm2, tmp_path):
-    """`python common.py sample FOLDER PROMPT` (greedy) prints the same completion as
+    """`python -m utils.sample FOLDER PROMPT` (greedy) prints the same completion as
     sample_completions on the chat-formatted prompt; a folder without a model is one clear line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run = [sys.executable, "common.py", "sample"]
+    run = [sys.executable, "-m", "utils.sample"]
     done = subprocess.run(
-        [*run, str(smollm2), "What is 2 + 2?", "--max-new-tokens", "8"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+        [*run, str(smollm2), "What is 2 + 2?", "--max-new-tokens", "8"], cwd=REPO,
+        capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
-    )
+        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True)
     ((text, _, _),) = common.sample_completions(model, tokenizer, [prompt], 8, temperature=0.0)
     assert text.strip() and done.stdout.strip() == text.strip()
     missing = subprocess.run([*run, str(tmp_path), "hi"], cwd=REPO, capture_output=True, text=True)

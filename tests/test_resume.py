@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import common
+from utils import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +39,7 @@ def summary(folder):
     [
         (
             "flowrl.py",
-            ["--steps", "8", "--group-size", "8", "--eval-every", "8", "--save-every", "2"],
-        ),
+            ["--steps", "8", "--group-size", "8", "--eval-every", "8", "--save-every", "2"]),
         (
             "flow_grpo.py",
             ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3"],
@@ -48,37 +47,14 @@ def summary(folder):
         (
             "agentflow.py",
             [
-                "--steps",
-                "8",
-                "--eval-every",
-                "8",
-                "--save-every",
-                "2",
-                "--no-ablation",
-                "--queries-per-step",
-                "2",
-                "--warm-start-steps",
-                "20",
-            ],
+                "--steps", "8", "--eval-every", "8", "--save-every", "2", "--no-ablation",
+                "--queries-per-step", "2", "--warm-start-steps", "20"],
         ),
         (
             "rc_grpo.py",
             [
-                "--steps",
-                "8",
-                "--arms",
-                "rctp+rc-grpo",
-                "--toy-tasks",
-                "20",
-                "--toy-test-tasks",
-                "5",
-                "--tasks-per-step",
-                "2",
-                "--failure-rollouts",
-                "1",
-                "--save-every",
-                "2",
-            ],
+                "--steps", "8", "--arms", "rctp+rc-grpo", "--toy-tasks", "20", "--toy-test-tasks",
+                "5", "--tasks-per-step", "2", "--failure-rollouts", "1", "--save-every", "2"],
         ),
     ],
 )
@@ -99,8 +75,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_ca
     subprocess.run(run(tmp_path / "whole"), check=True, cwd=ROOT, capture_output=True)
 
     killed = subprocess.Popen(
-        run(tmp_path / "killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        run(tmp_path / "killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = (
         tmp_path
         / "killed"
@@ -111,13 +86,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_ca
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    tensors, state = common.load_checkpoint(checkpoint)
+    tensors, state = tracking.load_checkpoint(checkpoint)
     assert state["step"] < int(flags[1]), (
         "the run finished before it could be killed; make it longer"
     )
     # mark the saved metrics: only a run that really continues from this file can show the mark
     state["extra"]["records"][0]["restored"] = True
-    common.save_checkpoint(checkpoint, tensors, state)
+    tracking.save_checkpoint(checkpoint, tensors, state)
     subprocess.run(run(tmp_path / "killed", "--resume"), check=True, cwd=ROOT, capture_output=True)
 
     path = (

@@ -1,0 +1,1 @@
+"""Run plumbing for the four scripts: models, logging and checkpoints, sweeps, sampling."""
