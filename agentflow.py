@@ -49,23 +49,17 @@ Sample from the trained planner (full preset; a LoRA adapter on --model):
 import copy
 import dataclasses
 import json
-import os
 import random
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 import common
-from utils import models, sweep, tracking
+from envs import agent_tools, agent_toy
+from utils import sweep, tracking
 
-# ----------------------------------------------------------------------------- args
+
+# -------------------------------------------------------------------------------------------- args
 
 
 @dataclasses.dataclass
@@ -135,602 +129,8 @@ PRESETS = {
         eval_every=25, micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)
 }
 
-# ----------------------------------------------------------------------------- memory and the loop
 
-
-@dataclasses.dataclass
-class Memory:
-    """M: the ordered record of (step, tool, sub-goal, command, result) the modules read each
-    turn."""
-
-    entries: list = dataclasses.field(default_factory=list)
-
-    def add(self, tool, subgoal, command, result, ok):
-        self.entries.append(
-            {
-                "step": len(self.entries) + 1,
-                "tool": tool,
-                "subgoal": subgoal,
-                "command": command,
-                "result": result,
-                "ok": ok,
-            }
-        )
-
-
-def run_agent(queries, system, plan, max_turns):
-    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate
-    (AgentFlow's system).
-
-    `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
-    planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler
-    log-probs); each trajectory keeps its planner turns for training.
-    """
-    memories = [Memory() for _ in queries]
-    trajectories = [{"query": q, "turns": [], "verdicts": []} for q in queries]
-    active = list(range(len(queries)))
-    for _ in range(max_turns):
-        if not active:
-            break
-        prompts = [system.planner_prompt(queries[i], memories[i]) for i in active]
-        outputs = plan(prompts)
-        calls = []
-        for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
-            trajectories[i]["turns"].append(
-                {"prompt": prompt, "ids": ids, "old_logp": logp, "text": text})
-            try:
-                tool, subgoal = system.parse_plan(text)
-                calls.append((i, tool, subgoal))
-            except ValueError as err:  # a malformed plan is an observation, never a crash
-                memories[i].add("none", text.strip(), "", f"error: {err}", ok=False)
-        executed = (
-            system.execute([(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls])
-            if calls
-            else []
-        )
-        for (i, tool, subgoal), (command, result, ok) in zip(calls, executed):
-            memories[i].add(tool, subgoal, command, result, ok)
-        stops = system.verify([(queries[i], memories[i]) for i in active])
-        for i, stop in zip(active, stops):
-            trajectories[i]["verdicts"].append("STOP" if stop else "CONTINUE")
-        active = [i for i, stop in zip(active, stops) if not stop]
-    answers = system.generate([(q, m) for q, m in zip(queries, memories)])
-    for trajectory, memory, answer in zip(trajectories, memories, answers):
-        trajectory |= {
-            "memory": memory,
-            "answer": answer,
-            "reward": float(system.judge(trajectory["query"], answer)),
-        }
-    return trajectories
-
-
-# ----------------------------------------------------------------------------- the toy task
-
-
-ATTRIBUTES = ["population", "area", "height", "age"]
-OPERATIONS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
-TOY_TOOLS = {
-    "lookup": "lookup <A|B> <attribute>: the attribute of the question's first (A) or second (B) "
-    "entity",
-    "calc": "calc <plus|minus|times>: combine the last two looked-up values",
-}
-
-
-def toy_queries(seed):
-    """Questions over a made-up knowledge base: "population of c03 plus area of c17" (two lookups
-    and a calculation) and, one in four, "area of c05" (one lookup). Returns (train, test, kb).
-
-    Test questions use 10 held-out entities and 8 held-out (attribute, operation, attribute) shapes.
-    """
-    rng = random.Random(seed)
-    entities = [f"c{k:02d}" for k in range(40)]
-    kb = {e: {a: rng.randint(2, 60) for a in ATTRIBUTES} for e in entities}
-    shapes = [(a, op, b) for a in ATTRIBUTES for op in OPERATIONS for b in ATTRIBUTES]
-    rng.shuffle(shapes)
-    test_shapes, train_shapes = shapes[:8], shapes[8:]
-
-    def make(ents, shape_pool, n):
-        out = []
-        for _ in range(n):
-            e1, e2 = rng.sample(ents, 2)
-            if rng.random() < 0.25:
-                a = rng.choice(ATTRIBUTES)
-                out.append(
-                    {
-                        "question": f"{a} of {e1}",
-                        "entities": (e1,),
-                        "shape": (a,),
-                        "answer": kb[e1][a],
-                    }
-                )
-                continue
-            a, op, b = rng.choice(shape_pool)
-            out.append(
-                {
-                    "question": f"{a} of {e1} {op} {b} of {e2}",
-                    "entities": (e1, e2),
-                    "shape": (a, op, b),
-                    "answer": OPERATIONS[op](kb[e1][a], kb[e2][b]),
-                }
-            )
-        return out
-
-    return (
-        make(entities[:30], train_shapes, 400),
-        make(entities[30:], test_shapes + train_shapes, 200), kb)
-
-
-def toy_demonstration(query, careless=False):
-    """The golden plan: lookup A attr1, lookup B attr2, calc op (or a single lookup). A careless
-    demonstrator repeats attr1 in the second lookup: the mistake sits in a middle turn, and only
-    the final answer shows it."""
-    if len(query["shape"]) == 1:
-        return [f"lookup A {query['shape'][0]}"]
-    a, op, b = query["shape"]
-    return [f"lookup A {a}", f"lookup B {a if careless else b}", f"calc {op}"]
-
-
-@dataclasses.dataclass
-class ToySystem:
-    """The toy's agentic system: a tiny Qwen2 planner; executor, verifier and generator are rules.
-
-    Rules (DEVIATION 2): the executor maps "lookup A population" to lookup(first entity, population)
-    and "calc plus" to the last two looked-up values; the verifier says STOP after a successful
-    calc; the generator answers the last calc result, else the last looked-up value. A one-lookup
-    question stops after its lookup, so rollouts have different lengths (1 to max_turns planner
-    turns).
-    """
-
-    train: list
-    test: list
-    kb: dict
-    tokenizer: object
-    planner: object
-
-    def planner_prompt(self, query, memory):
-        """(q, K, M^t) as tokens in fixed slots: `q <attr> <op> <attr> k <tools> t<turn>`, then the
-        memory (results summarised as ok/error). Entities stay with the executor, so every word
-        the planner must copy sits at the same position on every question."""
-        steps = " ".join(
-            f"m {e['tool']} {e['subgoal']} {'ok' if e['ok'] else 'error'}" for e in memory.entries
-        )
-        turn = f"t{len(memory.entries) + 1}"
-        slots = " ".join(query["shape"])
-        return f"q {slots} k {' '.join(TOY_TOOLS)} {turn} {steps} p".replace("  ", " ")
-
-    def parse_plan(self, text):
-        words = text.split()
-        if not words or words[0] not in TOY_TOOLS:
-            raise ValueError(f"no known tool in {text!r}")
-        return words[0], " ".join(words[1:])
-
-    def execute(self, calls):
-        results = []
-        for query, tool, subgoal, memory in calls:
-            words = subgoal.split()
-            if (
-                tool == "lookup"
-                and len(words) == 2
-                and words[0] in "AB"[: len(query["entities"])]
-                and words[1] in ATTRIBUTES
-            ):
-                entity = query["entities"]["AB".index(words[0])]
-                results.append((f"lookup({entity}, {words[1]})", self.kb[entity][words[1]], True))
-            elif tool == "calc" and len(words) == 1 and words[0] in OPERATIONS:
-                values = [e["result"] for e in memory.entries if e["tool"] == "lookup" and e["ok"]][
-                    -2:
-                ]
-                if len(values) < 2:
-                    results.append(
-                        (f"calc({words[0]})", "error: calc needs two looked-up values", False))
-                else:
-                    results.append(
-                        (f"{values[0]} {words[0]} {values[1]}", OPERATIONS[words[0]](*values), True)
-                    )
-            else:
-                results.append(
-                    (f"{tool}({subgoal})", f"error: bad arguments {subgoal!r} for {tool}", False))
-        return results
-
-    def verify(self, items):
-        """STOP once the step the question needs last (calc, or its one lookup) succeeded."""
-        return [
-            bool(m.entries)
-            and m.entries[-1]["ok"]
-            and m.entries[-1]["tool"] == ("lookup" if len(q["shape"]) == 1 else "calc")
-            for q, m in items
-        ]
-
-    def generate(self, items):
-        answers = []
-        for _, memory in items:
-            done = [e["result"] for e in memory.entries if e["ok"]]
-            answers.append(done[-1] if done else None)
-        return answers
-
-    def judge(self, query, answer):
-        return answer == query["answer"]
-
-
-def build_toy(args, device):
-    """Tiny Qwen2 planner warm-started on demonstrations, a share of them careless."""
-    train, test, kb = toy_queries(args.seed)
-    turns = [f"t{k}" for k in range(1, args.eval_max_turns + 2)]
-    words = ["q", "k", "m", "p", "ok", "error", "A", "B", *ATTRIBUTES, *OPERATIONS, *TOY_TOOLS]
-    tokenizer = models.make_tokenizer(words + turns)
-    planner = models.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
-    system = ToySystem(train, test, kb, tokenizer, planner)
-    warm_start(system, train[: args.warm_start_demos], args)
-    return system
-
-
-def warm_start(system, demos, args):
-    """Supervised warm start: the planner learns the plan's format and to copy the question's
-    slots, and from the careless demonstrations a habit of repeating attr1 in its second lookup,
-    so it starts right on some questions and wrong in a middle turn on the others."""
-    tokenizer, planner = system.tokenizer, system.planner
-    rng = random.Random(args.seed)
-    pairs = []
-    for query in demos:
-        memory = Memory()
-        for text in toy_demonstration(query, careless=rng.random() < args.careless):
-            pairs.append((system.planner_prompt(query, memory), text + " <eos>"))
-            tool, subgoal = system.parse_plan(text)
-            command, result, ok = system.execute([(query, tool, subgoal, memory)])[0]
-            memory.add(tool, subgoal, command, result, ok)
-    gen = torch.Generator().manual_seed(args.seed)
-    optimizer = torch.optim.AdamW(planner.parameters(), lr=3e-3)
-    for _ in range(args.warm_start_steps):
-        batch = [pairs[k] for k in torch.randint(len(pairs), (32,), generator=gen).tolist()]
-        completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
-        ids, attn, mask = common.pack_completions(
-            tokenizer, [p for p, _ in batch], completions, planner.device)
-        logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
-        loss = -common.masked_mean(logp, mask)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
-# ---------------------------------------------------------------- full scale: tools and LLM modules
-
-# The Python tool runs model-written code. Where the machine allows it (root and util-linux
-# `unshare`), each call gets new mount, network and PID namespaces: only a down loopback (no
-# network), a /proc that shows only itself, fresh tmpfs over /tmp, /var/tmp, /dev/shm, /root and
-# /home (nothing written there survives, nothing secret there is readable), the run's data files
-# replaced by /dev/null, and its own empty working directory. It then drops to the unprivileged uid
-# SANDBOX_UID, whose process limit of 1 forbids children, with CPU, memory, file-size and open-file
-# caps, an empty environment, and output into files the trainer reads at most `max_output`
-# characters of. No guard state lives in the model's process.
-SANDBOX_UID = 65534  # "nobody"
-SANDBOX_BOOT = r"""
-import os, resource, subprocess, sys
-work, code_path, python, uid, memory_mb, cpu_s, file_mb, *hidden = sys.argv[1:]
-uid, mb = int(uid), 1 << 20
-def mount(*args):
-    subprocess.run(["mount", *args], check=True)
-mount("-t", "tmpfs", "-o", "mode=755,size=1m", "tmpfs", "/mnt")
-os.mkdir("/mnt/work"); os.mkdir("/mnt/py")
-mount("--bind", work, "/mnt/work")
-prefixes = sorted({sys.base_prefix, sys.prefix})  # the interpreter and its venv, read-only
-keep = [(p, f"/mnt/py/{n}") for n, p in enumerate(prefixes)]
-for source, target in keep:
-    os.mkdir(target); mount("--bind", source, target); mount("-o", "remount,bind,ro", target)
-for folder in ["/tmp", "/var/tmp", "/dev/shm", "/root", "/home"]:
-    if os.path.isdir(folder):
-        mount("-t", "tmpfs", "-o", "mode=755,size=16m", "tmpfs", folder)
-for source, target in keep:
-    if not os.path.isdir(source):
-        os.makedirs(source); mount("--bind", target, source)
-for path in hidden:
-    if os.path.isfile(path):
-        mount("--bind", "/dev/null", path)
-os.chdir("/mnt/work")
-for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT_CPU, int(cpu_s)),
-                     (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
-                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 1)]:
-    resource.setrlimit(limit, (value, value))
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
-# no helper threads
-threads = {k: "1" for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"]}
-os.execve(python, [python, "-I", "-B", code_path], threads)
-"""
-
-
-def sandbox_isolates():
-    """True when each Python tool call can get its own namespaces (root + `unshare`); checked
-    once."""
-    if not hasattr(sandbox_isolates, "ok"):
-        trial = ["unshare", "--mount", "--net", "--pid", "--fork", "--mount-proc", "true"]
-        sandbox_isolates.ok = (
-            os.geteuid() == 0
-            and shutil.which("unshare") is not None
-            and subprocess.run(trial, capture_output=True).returncode == 0
-        )
-        if not sandbox_isolates.ok:
-            print(
-                "WARNING: the Python tool runs WITHOUT OS-level isolation (needs root and "
-                "util-linux `unshare`): only resource limits, an empty environment and a temp "
-                "folder apply; network, "
-                "file reads, writes the user may make, and child processes are NOT blocked.",
-                file=sys.stderr,
-            )
-    return sandbox_isolates.ok
-
-
-def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=()):
-    """Run model-written code in an isolated process (see SANDBOX_BOOT) and return (output, ok).
-
-    Output is stdout plus the last stderr line on failure, cut at `max_output` characters; a run
-    past `timeout` seconds is killed with everything it started. `hidden_files` (the run's data)
-    read as empty.
-    """
-    import resource
-
-    with (
-        tempfile.TemporaryDirectory(prefix="agentflow_py_") as workdir,
-        tempfile.TemporaryDirectory(prefix="agentflow_out_") as outdir,
-    ):
-        work, out = Path(workdir) / "work", Path(outdir)
-        work.mkdir()
-        (work / "main.py").write_text(code)
-        with open(out / "stdout", "wb") as stdout, open(out / "stderr", "wb") as stderr:
-            if sandbox_isolates():
-                os.chown(work, SANDBOX_UID, SANDBOX_UID)
-                os.chmod(workdir, 0o755)
-                command = [
-                    "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child",
-                    "--mount-proc", "--", sys.executable, "-I", "-c", SANDBOX_BOOT, str(work),
-                    "main.py", sys.executable, str(SANDBOX_UID), str(memory_mb),
-                    str(int(timeout) + 1), "1", *[str(Path(f).resolve()) for f in hidden_files]]
-                limits = None
-            else:
-                command = [sys.executable, "-I", "-B", "main.py"]
-
-                def limits():
-                    for limit, value in [
-                        (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 1 << 20),
-                        (resource.RLIMIT_CPU, int(timeout) + 1)]:
-                        resource.setrlimit(limit, (value, value))
-
-            process = subprocess.Popen(
-                command, cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                preexec_fn=limits, start_new_session=True)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # with --kill-child, its namespace goes too
-                process.wait()
-                for _ in range(200):  # until the killed group has exited (at most 2 s more)
-                    try:
-                        os.killpg(process.pid, 0)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.01)
-                return f"error: timed out after {timeout:g} s", False
-        text = (out / "stdout").read_bytes()[: max_output + 1].decode("utf-8", "replace")
-        errors = (
-            (out / "stderr").read_bytes()[-2000:].decode("utf-8", "replace").strip().splitlines()
-        )
-    if process.returncode and errors:
-        text += "\n" + errors[-1]
-    text = text.strip() or (
-        "(no output; print the result)"
-        if process.returncode == 0
-        else f"error: exit status {process.returncode}"
-    )
-    return text[:max_output] + (
-        " …[truncated]" if len(text) > max_output else ""
-    ), process.returncode == 0
-
-
-def make_retriever(corpus_path, top_k=3, max_chars=600):
-    """TF-IDF search over a local JSONL corpus of {"text"} (scikit-learn); no web access."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    path = Path(corpus_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --corpus {str(path)!r} is not a file")
-    try:
-        docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise SystemExit(
-            f"error: {path}: every line must be JSON with a 'text' key ({err})") from None
-    vectorizer = TfidfVectorizer().fit(docs)
-    matrix = vectorizer.transform(docs)
-
-    def search(query):
-        scores = (matrix @ vectorizer.transform([query]).T).toarray()[:, 0]
-        best = scores.argsort()[::-1][:top_k]
-        return (
-            "\n".join(
-                f"[{k + 1}] {docs[j][:max_chars]}" for k, j in enumerate(best) if scores[j] > 0
-            )
-            or "no match"
-        )
-
-    return search
-
-
-FULL_TOOLS = {
-    "python": (
-        "Runs Python code and returns what it prints.",
-        "a complete Python program that prints the result"),
-    "retrieve": ("Searches a local document collection.", "a short keyword search query"),
-    "generate": ("Asks a general language model.", "a self-contained question or instruction"),
-}
-
-
-def load_qa_jsonl(path):
-    """[{question, answer}] from a JSONL file, with one-line errors for a missing or malformed
-    file."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"error: data file {str(path)!r} is not a file")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise SystemExit(
-                    f"error: {path}:{n}: expected JSON with 'question' and 'answer' ({err})"
-                ) from None
-    if not rows:
-        raise SystemExit(f"error: {path} holds no rows")
-    return rows
-
-
-def answers_match(prediction, answer):
-    """Exact match after normalising case, spaces and a trailing period; numbers compared as
-    numbers."""
-    if prediction is None:
-        return False
-    pred, gold = str(prediction).strip().strip(".").lower(), str(answer).strip().strip(".").lower()
-    try:
-        return abs(float(pred.replace(",", "")) - float(gold.replace(",", ""))) < 1e-6
-    except ValueError:
-        return " ".join(pred.split()) == " ".join(gold.split())
-
-
-@dataclasses.dataclass
-class ToolSystem:
-    """Full scale: the planner is an HF model with LoRA; executor, verifier and generator are the
-    same model with the adapter off, greedy (the paper's frozen modules, DEVIATION 2). Tools: Python
-    (sandboxed), retrieval over a local corpus, and the base generator."""
-
-    train: list
-    test: list
-    tokenizer: object
-    planner: object
-    retrieve: object
-    tool_timeout: float
-    max_new_tokens: int
-    gen_batch: int
-    hidden_files: tuple
-
-    def chat(self, text):
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-
-    def frozen(self, prompts, max_new_tokens=None):
-        """The frozen modules: base weights (adapter off), greedy."""
-        with self.planner.disable_adapter():
-            out = common.sample_completions(
-                self.planner, self.tokenizer, [self.chat(p) for p in prompts],
-                max_new_tokens or self.max_new_tokens, 0.0, batch_rows=self.gen_batch)
-        return [text for text, _, _ in out]
-
-    def planner_prompt(self, query, memory):
-        tools = "\n".join(
-            f"- {name}: {desc} Input: {fmt}." for name, (desc, fmt) in FULL_TOOLS.items()
-        )
-        return self.chat(
-            f"Question: {query['question']}\nTools:\n{tools}\nMemory:\n{render_memory(memory)}\n"
-            "Plan the next step. Reply exactly:\n"
-            "Sub-Goal: <what to find out next>\nTool: <tool name>"
-        )
-
-    def parse_plan(self, text):
-        """The official planner's `Sub-Goal:` / `Tool:` fields, any case, markdown bold allowed; the
-        sub-goal may span lines."""
-        text = text.replace("*", "")
-        tool = re.search(r"^\W*tool\W*:\s*([\w-]+)", text, re.I | re.M)
-        goal = re.search(r"^\W*sub-?goal\W*:\s*(.+?)(?=^\W*tool\W*:|\Z)", text, re.I | re.M | re.S)
-        if not tool or not goal or tool.group(1).lower() not in FULL_TOOLS:
-            raise ValueError("expected 'Sub-Goal: …' and 'Tool: <" + "|".join(FULL_TOOLS) + ">'")
-        return tool.group(1).lower(), " ".join(goal.group(1).split())
-
-    def execute(self, calls):
-        """The executor writes each tool's input from the question, the sub-goal and the memory so
-        far (the official executor's context), then the tool runs."""
-        commands = self.frozen(
-            [
-                f"Question: {q['question']}\nContext (earlier steps):\n{render_memory(m)}\n"
-                f"Sub-Goal: {goal}\nWrite the input for the tool '{tool}': {FULL_TOOLS[tool][1]}. "
-                "Reply with the input only."
-                for q, tool, goal, m in calls
-            ]
-        )
-        results = []
-        for (query, tool, goal, _), command in zip(calls, commands):
-            if tool == "python":
-                block = re.search(r"```(?:python)?\n(.*?)```", command, re.S)
-                results.append(
-                    (
-                        command,
-                        *python_tool(
-                            block.group(1) if block else command, self.tool_timeout,
-                            hidden_files=self.hidden_files),
-                    )
-                )
-            elif tool == "retrieve":
-                results.append((command, self.retrieve(command), True))
-            else:
-                results.append((command, self.frozen([command])[0], True))
-        return results
-
-    def verify(self, items):
-        verdicts = self.frozen(
-            [
-                f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nIs the memory enough to "
-                "answer? Reply STOP or CONTINUE."
-                for q, m in items
-            ],
-            max_new_tokens=8,
-        )
-        return ["STOP" in v.upper() for v in verdicts]
-
-    def generate(self, items):
-        texts = self.frozen(
-            [
-                f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nGive the final answer on "
-                "the last line as 'Answer: <answer>'."
-                for q, m in items
-            ]
-        )
-        return [
-            (
-                re.findall(r"Answer:\s*(.+)", t)
-                or [t.strip().splitlines()[-1] if t.strip() else None]
-            )[-1]
-            for t in texts
-        ]
-
-    def judge(self, query, answer):
-        return answers_match(answer, query["answer"])
-
-
-def render_memory(memory):
-    """M as text for the LLM modules, one line per step."""
-    return (
-        "\n".join(
-            f"Step {e['step']}: tool={e['tool']} sub-goal={e['subgoal']!r} "
-            f"command={e['command']!r} "
-            f"result={str(e['result'])[:500]!r}"
-            for e in memory.entries
-        )
-        or "(empty)"
-    )
-
-
-def build_full(args, device):
-    """HF planner with LoRA; the frozen modules are the same model with the adapter off."""
-    tokenizer, planner = models.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
-    retrieve = (
-        make_retriever(args.corpus) if args.corpus else (lambda query: "error: no --corpus given")
-    )
-    # the tool cannot read them
-    hidden = tuple(f for f in (args.data, args.eval_data, args.corpus) if f)
-    return ToolSystem(
-        load_qa_jsonl(args.data), load_qa_jsonl(args.eval_data) if args.eval_data else [],
-        tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
-        args.gen_batch, hidden)
-
-
-# -------------------------------------------------------------------- the algorithm core: Flow-GRPO
+# ----------------------------------------- the math: Flow-GRPO's broadcast advantage and objective
 
 
 def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4):
@@ -775,9 +175,73 @@ def flow_grpo_loss(
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
-        "kl": common.masked_mean(kl, mask).item(),
-    }
+        "kl": common.masked_mean(kl, mask).item()}
     return loss, stats
+
+
+# ------------------------------------------------------- the agentic system: memory M and the loop
+
+
+@dataclasses.dataclass
+class Memory:
+    """M: the ordered record of (step, tool, sub-goal, command, result) the modules read each
+    turn."""
+
+    entries: list = dataclasses.field(default_factory=list)
+
+    def add(self, tool, subgoal, command, result, ok):
+        self.entries.append(
+            {
+                "step": len(self.entries) + 1, "tool": tool, "subgoal": subgoal, "command": command,
+                "result": result, "ok": ok}
+        )
+
+
+def run_agent(queries, system, plan, max_turns):
+    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate
+    (AgentFlow's system).
+
+    `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
+    planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler
+    log-probs); each trajectory keeps its planner turns for training.
+    """
+    memories = [Memory() for _ in queries]
+    trajectories = [{"query": q, "turns": [], "verdicts": []} for q in queries]
+    active = list(range(len(queries)))
+    for _ in range(max_turns):
+        if not active:
+            break
+        prompts = [system.planner_prompt(queries[i], memories[i]) for i in active]
+        outputs = plan(prompts)
+        calls = []
+        for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
+            trajectories[i]["turns"].append(
+                {"prompt": prompt, "ids": ids, "old_logp": logp, "text": text})
+            try:
+                tool, subgoal = system.parse_plan(text)
+                calls.append((i, tool, subgoal))
+            except ValueError as err:  # a malformed plan is an observation, never a crash
+                memories[i].add("none", text.strip(), "", f"error: {err}", ok=False)
+        executed = (
+            system.execute([(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls])
+            if calls
+            else []
+        )
+        for (i, tool, subgoal), (command, result, ok) in zip(calls, executed):
+            memories[i].add(tool, subgoal, command, result, ok)
+        stops = system.verify([(queries[i], memories[i]) for i in active])
+        for i, stop in zip(active, stops):
+            trajectories[i]["verdicts"].append("STOP" if stop else "CONTINUE")
+        active = [i for i, stop in zip(active, stops) if not stop]
+    answers = system.generate([(q, m) for q, m in zip(queries, memories)])
+    for trajectory, memory, answer in zip(trajectories, memories, answers):
+        trajectory |= {
+            "memory": memory, "answer": answer,
+            "reward": float(system.judge(trajectory["query"], answer))}
+    return trajectories
+
+
+# ---------------------------------------------------------------------------------------- rollouts
 
 
 def planner_sampler(system, temperature, args):
@@ -787,7 +251,32 @@ def planner_sampler(system, temperature, args):
         batch_rows=args.gen_batch)
 
 
-# ----------------------------------------------------------------------------- training
+def warm_start(system, demos, args):
+    """Supervised warm start: the planner learns the plan's format and to copy the question's
+    slots, and from the careless demonstrations a habit of repeating attr1 in its second lookup,
+    so it starts right on some questions and wrong in a middle turn on the others."""
+    tokenizer, planner = system.tokenizer, system.planner
+    rng = random.Random(args.seed)
+    pairs = []
+    for query in demos:
+        memory = Memory()
+        for text in agent_toy.toy_demonstration(query, careless=rng.random() < args.careless):
+            pairs.append((system.planner_prompt(query, memory), text + " <eos>"))
+            tool, subgoal = system.parse_plan(text)
+            command, result, ok = system.execute([(query, tool, subgoal, memory)])[0]
+            memory.add(tool, subgoal, command, result, ok)
+    gen = torch.Generator().manual_seed(args.seed)
+    optimizer = torch.optim.AdamW(planner.parameters(), lr=3e-3)
+    for _ in range(args.warm_start_steps):
+        batch = [pairs[k] for k in torch.randint(len(pairs), (32,), generator=gen).tolist()]
+        completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
+        ids, attn, mask = common.pack_completions(
+            tokenizer, [p for p, _ in batch], completions, planner.device)
+        logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
+        loss = -common.masked_mean(logp, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
 
 
 def evaluate(system, queries, args):
@@ -802,8 +291,7 @@ def rollout_stats(trajectories):
     return {
         "accuracy": sum(t["reward"] for t in trajectories) / len(trajectories),
         "mean_turns": sum(len(t["turns"]) for t in trajectories) / len(trajectories),
-        "tool_error_rate": sum(not e["ok"] for e in entries) / max(1, len(entries)),
-    }
+        "tool_error_rate": sum(not e["ok"] for e in entries) / max(1, len(entries))}
 
 
 def format_rollout(trajectory):
@@ -819,6 +307,9 @@ def format_rollout(trajectory):
         )
     lines.append(f"  answer: {trajectory['answer']!r}  reward {trajectory['reward']:.0f}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- training
 
 
 def validate(args):
@@ -889,37 +380,29 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
         # the ablation: only each trajectory's last planner turn is trained
         if credit == "final-turn":
             rows = [rows[k] for k in (torch.tensor(turns).cumsum(0) - 1).tolist()]
+        # 3. token-bounded micro-batches of turn-samples, π_ref's log-probs once
         prompts, completions = [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows]
         token_count = max(1, sum(len(c) for c in completions))
-        batches = common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens)
-        packed = [
-            common.pack_completions(
-                tokenizer, [prompts[k] for k in b], [completions[k] for k in b], device)
-            for b in batches
-        ]
         with autocast:
-            ref_logps = [
-                common.reference_logprobs(
-                    planner, reference, ids, attn, mask.shape[1], args.temperature)
-                for ids, attn, mask in packed
-            ]
-        # 3. inner_steps optimiser steps, gradients accumulated over token-bounded micro-batches
+            batches = common.scored_micro_batches(
+                tokenizer, prompts, completions, [t["old_logp"] for t, _ in rows],
+                args.micro_batch_tokens, device, planner, reference, args.temperature)
+        # 4. inner_steps optimiser steps, gradients accumulated over the micro-batches
         planner.train()
         for inner in range(args.inner_steps):
             optimizer.zero_grad()
-            for batch, (ids, attn, mask), ref_logp in zip(batches, packed, ref_logps):
-                old_logp = common.place_logprobs(mask, [rows[k][0]["old_logp"] for k in batch])
-                advantages = torch.tensor([rows[k][1] for k in batch], device=device)
+            for mb in batches:
+                advantages = torch.tensor([rows[k][1] for k in mb.rows], device=device)  # (B,)
                 with autocast:
-                    logp = common.completion_logprobs(
-                        train_planner, ids, attn, mask.shape[1], args.temperature)
+                    logp = common.completion_logprobs(  # (B, W)
+                        train_planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
                 # not yet updated: training must score what the sampler drew
                 if inner == 0 and step == 1:
                     sampler_dev = max(
-                        sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
+                        sampler_dev, ((logp.detach() - mb.old_logp) * mb.mask).abs().max().item())
                 loss, stats = flow_grpo_loss(
-                    logp, old_logp, ref_logp, advantages, mask, args.clip_eps, args.clip_eps_high,
-                    args.beta, token_count)
+                    logp, mb.old_logp, mb.ref_logp, advantages, mb.mask, args.clip_eps,
+                    args.clip_eps_high, args.beta, token_count)
                 if not torch.isfinite(loss):
                     raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
                 accelerator.backward(loss)
@@ -932,12 +415,8 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
         record = {
             "reward": rewards.mean().item(),
             "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-            "mean_turns": sum(turns) / len(turns),
-            "turn_samples": len(rows),
-            "loss": loss.item(),
-            "sampler_logprob_max_dev": sampler_dev,
-            **stats,
-        }
+            "mean_turns": sum(turns) / len(turns), "turn_samples": len(rows), "loss": loss.item(),
+            "sampler_logprob_max_dev": sampler_dev, **stats}
         if (
             system.test
             and (step % args.eval_every == 0 or step == args.steps)
@@ -962,7 +441,11 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
-    system = build_full(args, device) if args.model else build_toy(args, device)
+    if args.model:
+        system = agent_tools.build_full(args, device)
+    else:  # DEVIATION: the toy planner first learns the plan's format from demonstrations
+        system = agent_toy.build_toy(args, device)
+        warm_start(system, system.train[: args.warm_start_demos], args)
     train_planner = accelerator.prepare(system.planner)  # DDP wrapper (N processes) for the loss
     out_dir = Path(args.out_dir)
     config = dataclasses.asdict(args) | {"preset": args.preset}
@@ -1019,7 +502,7 @@ def train(args):
             ablated = evaluate(system, test, args)[0]
             ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
             summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
-            plot_accuracy_comparison(
+            agent_toy.plot_accuracy_comparison(
                 before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
                 out_dir / "credit.png")
     return logger.finish(
@@ -1033,45 +516,11 @@ def train(args):
     )
 
 
-def plot_accuracy_comparison(start, records, other_records, name, other, path):
-    """Held-out accuracy over training from the same start, reward broadcast vs final-turn
-    credit."""
-    tracking.plot_curves(
-        {
-            name: [(0, start)]
-            + [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r],
-            other: [(0, start)]
-            + [(r["step"], r["eval_accuracy"]) for r in other_records if "eval_accuracy" in r],
-        },
-        path,
-        "held-out accuracy by credit assignment",
-        "accuracy",
-    )
-
-
-def sweep_row(summaries):
-    """One seed of the sweep: held-out accuracy before, after broadcast and after final-turn
-    credit, and the start's sampled success."""
-    s = summaries[""]
-    return {
-        "start_reward": s["start_reward"],
-        "accuracy_before": s["accuracy_before"],
-        "broadcast": s["accuracy_after"],
-        "final_turn": s["accuracy_final_turn_credit"],
-    }
-
-
-def claim_holds(row):
-    """The paper's claim on one seed: broadcast credit gains ≥ 0.25 and beats final-turn credit."""
-    return (
-        row["broadcast"] - row["accuracy_before"] >= 0.25 and row["broadcast"] > row["final_turn"]
-    )
-
-
 if __name__ == "__main__":
     args = common.parse_args(Args, PRESETS)
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
-        sweep.seed_sweep(train, args, [("", {})], sweep_row, claim_holds, sweep_dir)
+        sweep.seed_sweep(
+            train, args, [("", {})], agent_toy.sweep_row, agent_toy.claim_holds, sweep_dir)
     else:
         print(json.dumps(train(args), indent=2))

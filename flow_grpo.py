@@ -232,10 +232,8 @@ def step_loss(v, v_ref, x, x_next, sigma, sigma_next, old_logp, advantages, args
         kl = gaussian_mean_kl(mean, ref_mean, sigma_t)
     loss = (pg_loss + args.beta * kl).mean()
     stats = {
-        "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(),
-        "kl": kl.mean().item(),
-        "ratio_max": ratio.max().item(),
-    }
+        "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
+        "ratio_max": ratio.max().item()}
     return loss, logp, stats
 
 
@@ -400,8 +398,7 @@ class DigitsTask:
                 cache,
                 {
                     **{f"base.{k}": v for k, v in base.state_dict().items()},
-                    **{f"clf.{k}": v for k, v in classifier.state_dict().items()},
-                },
+                    **{f"clf.{k}": v for k, v in classifier.state_dict().items()}},
                 {},
             )
         self.device = device
@@ -474,8 +471,7 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 # name → (model id, processor/tokenizer id, divisor). PickScore's /26 is the official scaling.
 CLIP_REWARDS = {
     "clip": ("openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", 100.0),
-    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", 26.0),
-}
+    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", 26.0)}
 
 
 def clip_reward(name, override, device):
@@ -859,13 +855,10 @@ def train(args):
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         record = {
-            "reward": all_rewards.mean().item(),
-            "reward_std": all_rewards.std().item(),
+            "reward": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
             "zero_var_frac": common.zero_variance_fraction(all_rewards, args.group_size),
-            "sampler_logprob_max_dev": sampler_dev,
-            "trained_samples": len(order),
-            **{k: v / max(1, n_terms) for k, v in stats_sum.items()},
-        }
+            "sampler_logprob_max_dev": sampler_dev, "trained_samples": len(order),
+            **{k: v / max(1, n_terms) for k, v in stats_sum.items()}}
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             record |= {f"eval_{k}": v for k, v in evaluate_now()[0].items()}
         logger.log(epoch, **record)
@@ -883,10 +876,8 @@ def train(args):
             task.save(out_dir)
     summary = {
         **{f"{k}_before": v for k, v in before.items()},
-        **{f"{k}_after": v for k, v in after.items()},
-        "sampler_logprob_max_dev": sampler_dev,
-        **task.info,
-    }
+        **{f"{k}_after": v for k, v in after.items()}, "sampler_logprob_max_dev": sampler_dev,
+        **task.info}
     if "accuracy" in before:  # the row of `make demo`'s table
         summary["claim"] = {"text": "Flow-GRPO (images): ODE eval accuracy goes up",
                             "before": before["accuracy"], "after": after["accuracy"]}
@@ -939,11 +930,9 @@ def sweep_row(summaries):
     """One seed of the sweep: ODE accuracy before and after, and diversity kept (after / before)."""
     s = summaries[""]
     return {
-        "accuracy_before": s["accuracy_before"],
-        "accuracy_after": s["accuracy_after"],
+        "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
         "judge_after": s["accuracy_judge_after"],
-        "diversity_kept": s["diversity_after"] / s["diversity_before"],
-    }
+        "diversity_kept": s["diversity_after"] / s["diversity_before"]}
 
 
 def claim_holds(row):

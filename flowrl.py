@@ -295,8 +295,7 @@ NUMBER_QUESTIONS = {
     "a prime number less than 30": {2, 3, 5, 7, 11, 13, 17, 19, 23, 29},
     "a multiple of 5 between 1 and 50": set(range(5, 50, 5)),
     "a perfect square less than 100": {n * n for n in range(1, 10)},
-    "a multiple of 7 less than 100": set(range(7, 100, 7)),
-}
+    "a multiple of 7 less than 100": set(range(7, 100, 7))}
 
 
 def reply_integer(text, first):
@@ -399,14 +398,8 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
     texts = [tokenizer.decode(a) for a in answers.tolist()]
     out = {
-        "kl_policy_to_target": 0.0,
-        "kl_target_to_policy": 0.0,
-        "mean_reward": 0.0,
-        "target_mean_reward": 0.0,
-        "modes_covered": 0,
-        "modes_total": 0,
-        "dists": [],
-    }
+        "kl_policy_to_target": 0.0, "kl_target_to_policy": 0.0, "mean_reward": 0.0,
+        "target_mean_reward": 0.0, "modes_covered": 0, "modes_total": 0, "dists": []}
     for i, prompt in enumerate(task.prompts):
         prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1).to(model.device)
@@ -591,20 +584,11 @@ def train(args):
         rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
         # 3. micro-batches bounded by --micro-batch-tokens; π_ref's log-probs once (all but GRPO)
         completions = [ids for _, ids, _ in samples]
-        batches = common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens)
         token_count = max(1, sum(len(c) for c in completions))
-        packed = [
-            common.pack_completions(
-                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
-            for rows in batches
-        ]
-        ref_logps = []
-        if args.algo != "grpo":
-            with autocast:
-                ref_logps = [
-                    common.reference_logprobs(model, ref_model, ids, attn, mask.shape[1])
-                    for ids, attn, mask in packed
-                ]
+        with autocast:
+            batches = common.scored_micro_batches(
+                tokenizer, prompts, completions, [logp for _, _, logp in samples],
+                args.micro_batch_tokens, device, model if args.algo != "grpo" else None, ref_model)
         # 4. what each objective learns from. TB: r̂ = the group-normalised reward (the paper) or r
         #    itself (DEVIATION 1). GRPO: A from r. GRPO-KL: A from r − log(π_old/π_ref)/(β·|y|),
         #    the sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
@@ -616,9 +600,9 @@ def train(args):
         shaped = rewards
         if args.algo == "grpo-kl":
             log_ratio = torch.zeros(len(samples))
-            for rows, (_, _, mask), ref_logp in zip(batches, packed, ref_logps):
-                sampled = torch.stack([samples[r][2].sum() for r in rows])
-                log_ratio[rows] = sampled - (ref_logp * mask).sum(1).float().cpu()
+            for mb in batches:
+                sampled = torch.stack([samples[r][2].sum() for r in mb.rows])
+                log_ratio[mb.rows] = sampled - (mb.ref_logp * mb.mask).sum(1).float().cpu()
             lengths = torch.tensor([max(1, len(c)) for c in completions], dtype=torch.float)
             shaped = rewards - log_ratio / (args.beta * lengths)
         advantages = common.group_advantages(shaped, args.group_size).to(device)
@@ -626,36 +610,33 @@ def train(args):
         model.train()
         for inner in range(args.inner_steps):
             optimizer.zero_grad()
-            for k, (rows, (ids, attn, mask)) in enumerate(zip(batches, packed)):
-                old_logp = common.place_logprobs(mask, [samples[r][2] for r in rows])
+            for mb in batches:
+                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
                 with autocast:
-                    scored = common.completion_logprobs(
+                    scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
                         train_model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
                 logp, hidden = scored if args.algo == "flowrl" else (scored, None)
                 if inner == 0:  # not yet updated: training must score what the sampler drew
                     sampler_dev = max(
-                        sampler_dev, ((logp.detach() - old_logp) * mask).abs().max().item())
+                        sampler_dev, ((logp.detach() - mb.old_logp) * mask).abs().max().item())
                 if args.algo == "flowrl":
                     plen = ids.shape[1] - mask.shape[1]
-                    prompt_hidden = (
-                        hidden[:, :plen].detach() if args.detach_logz else hidden[:, :plen]
-                    )
-                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # log Z_φ(x)
+                    prompt_hidden = hidden[:, :plen]
+                    if args.detach_logz:
+                        prompt_hidden = prompt_hidden.detach()
+                    log_z = train_head(prompt_hidden, attn[:, :plen].float())  # log Z_φ(x), (B,)
                     weight = importance_weight(
                         common.sequence_logprob(logp, mask),
-                        common.sequence_logprob(old_logp, mask), args.clip_eps)
+                        common.sequence_logprob(mb.old_logp, mask), args.clip_eps)
                     loss, residual = trajectory_balance_loss(
                         log_z, common.sequence_logprob(logp, mask, length_normalize=True),
-                        common.sequence_logprob(ref_logps[k], mask, length_normalize=True),
+                        common.sequence_logprob(mb.ref_logp, mask, length_normalize=True),
                         reward_hat[rows], args.beta, weight, num_rows=len(samples))
-                    stats = {
-                        "log_z": log_z.mean().item(),
-                        "residual_abs": residual.abs().mean().item(),
-                        "w_mean": weight.mean().item(),
-                    }
+                    stats = {"log_z": log_z.mean().item(), "w_mean": weight.mean().item(),
+                             "residual_abs": residual.abs().mean().item()}
                 else:
                     loss, stats = grpo_loss(
-                        logp, old_logp, advantages[rows], mask, args.clip_eps, token_count)
+                        logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count)
                 if not torch.isfinite(loss):
                     raise SystemExit(
                         f"error: non-finite loss at step {step}; lower --lr or check the reward")
@@ -667,13 +648,10 @@ def train(args):
         # the whole step's rewards; loss stats are rank 0's
         rewards = accelerator.gather(rewards.to(device)).cpu()
         record = {
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
+            "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
             "loss": loss.item(),
             "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-            "sampler_logprob_max_dev": sampler_dev,
-            **stats,
-        }
+            "sampler_logprob_max_dev": sampler_dev, **stats}
         if step % args.eval_every == 0 and step < args.steps:
             record |= scalars(evaluate())
         if step == args.steps:
@@ -687,9 +665,7 @@ def train(args):
                 *state_objects,
                 extra={
                     "first": {k: v for k, v in first.items() if k != "dists"},
-                    "sampler_dev": sampler_dev,
-                    "records": logger.records,
-                },
+                    "sampler_dev": sampler_dev, "records": logger.records},
             )
 
     if sampler_dev > 1e-3:
@@ -697,10 +673,8 @@ def train(args):
     if start > args.steps:  # resumed a finished run
         final = evaluate()
     summary = {k: v for k, v in final.items() if k != "dists"} | {
-        "algo": args.algo,
-        "sampler_logprob_max_dev": sampler_dev,
-        "before": {k: v for k, v in first.items() if k != "dists"},
-    }
+        "algo": args.algo, "sampler_logprob_max_dev": sampler_dev,
+        "before": {k: v for k, v in first.items() if k != "dists"}}
     if toy and final:  # the row of `make demo`'s table
         summary["claim"] = {"text": CLAIMS[args.algo], "before": first["kl_policy_to_target"],
                             "after": final["kl_policy_to_target"]}
@@ -792,8 +766,7 @@ def sweep_row(summaries):
         "kl_at_ref": summaries["flowrl"]["before"]["kl_policy_to_target"],
         **{f"kl_{name}": summaries[name]["kl_policy_to_target"] for name, _ in SWEEP_ARMS},
         "covered_at_ref": summaries["flowrl"]["before"]["modes_covered"],
-        **{f"covered_{name}": summaries[name]["modes_covered"] for name, _ in SWEEP_ARMS},
-    }
+        **{f"covered_{name}": summaries[name]["modes_covered"] for name, _ in SWEEP_ARMS}}
 
 
 def claim_holds(row):

@@ -510,9 +510,7 @@ def toy_entries(n, seed, rare_share, n_test=200):
         contents[folder]["contents"][target] = {"type": "file", "content": f"{target} content"}
         for other in rng.sample([f for f in TOY_FILES if f != target], 2):
             contents[rng.choice(TOY_DIRS)]["contents"][other] = {
-                "type": "file",
-                "content": f"{other} content",
-            }
+                "type": "file", "content": f"{other} content"}
         entries.append(
             {
                 "id": f"toy_{k}",
@@ -520,8 +518,7 @@ def toy_entries(n, seed, rare_share, n_test=200):
                 "involved_classes": ["GorillaFileSystem"],
                 "initial_config": {
                     "GorillaFileSystem": {
-                        "root": {"workspace": {"type": "directory", "contents": contents}}
-                    }
+                        "root": {"workspace": {"type": "directory", "contents": contents}}}
                 },
                 "question": [[{"role": "user", "content": f"delete {target}"}]],
                 "ground_truth": [
@@ -891,8 +888,7 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, tok
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
-        "kl": common.masked_mean(kl, mask).item(),
-    }
+        "kl": common.masked_mean(kl, mask).item()}
     return loss, stats
 
 
@@ -1021,8 +1017,7 @@ def grpo_arm(
                 extra={"sampler_dev": sampler_dev, "zero_var": zero_var, "records": logger.records})
     return {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),
-        "sampler_logprob_max_dev": sampler_dev,
-    }
+        "sampler_logprob_max_dev": sampler_dev}
 
 
 def validate(args):
@@ -1142,11 +1137,9 @@ def train(args):
             world.model.save_pretrained(out_dir / arm / "policy")
             world.tokenizer.save_pretrained(out_dir / arm / "policy")
     summary |= {
-        "test_tasks": len(world.test),
-        "wall_seconds": round(time.time() - start, 2),
+        "test_tasks": len(world.test), "wall_seconds": round(time.time() - start, 2),
         "sampler_logprob_max_dev": max(summary[a]["sampler_logprob_max_dev"] for a in arms),
-        "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms),
-    }
+        "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms)}
     if {"sft+grpo", "rctp+rc-grpo"} <= set(arms):  # the row of `make demo`'s table
         summary["claim"] = {"text": "RC-GRPO: zero-var. fraction, SFT+GRPO → RCTP+RC",
                             "before": summary["sft+grpo"]["zero_variance_fraction"],
@@ -1177,14 +1170,12 @@ def sweep_row(summaries):
     arms the claim compares, RCTP's token gap ε, and the rare-folder accuracy of both."""
     s = summaries[""]
     return {
-        "token_gap": s["token_gap"],
-        "acc_sft_grpo": s["sft+grpo"]["accuracy"],
+        "token_gap": s["token_gap"], "acc_sft_grpo": s["sft+grpo"]["accuracy"],
         "acc_rctp_rc": s["rctp+rc-grpo"]["accuracy"],
         "rare_sft_grpo": s["sft+grpo"].get("rare_accuracy", float("nan")),
         "rare_rctp_rc": s["rctp+rc-grpo"].get("rare_accuracy", float("nan")),
         "zv_sft_grpo": s["sft+grpo"]["zero_variance_fraction"],
-        "zv_rctp_rc": s["rctp+rc-grpo"]["zero_variance_fraction"],
-    }
+        "zv_rctp_rc": s["rctp+rc-grpo"]["zero_variance_fraction"]}
 
 
 def claim_holds(row):

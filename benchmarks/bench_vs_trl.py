@@ -185,8 +185,7 @@ def compare(case):
     samples = len(case["prompts"]) * GROUP
     total = lambda split: sum(split.values())
     return {
-        "model": case["name"],
-        "samples_per_step": samples,
+        "model": case["name"], "samples_per_step": samples,
         "ours_s": {k: round(v, 3) for k, v in mine.items()},
         "trl_s": {k: round(v, 3) for k, v in theirs.items()},
         "floor_s": {k: round(v, 3) for k, v in least.items()},
@@ -194,8 +193,7 @@ def compare(case):
         "trl_samples_per_s": round(samples / total(theirs), 1),
         "ratio": round(total(theirs) / total(mine), 2),
         "ours_over_floor": round(total(mine) / total(least), 3),
-        "trl_over_floor": round(total(theirs) / total(least), 3),
-    }
+        "trl_over_floor": round(total(theirs) / total(least), 3)}
 
 
 if __name__ == "__main__":

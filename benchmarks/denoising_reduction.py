@@ -60,11 +60,8 @@ def epoch_costs(train_steps, epochs=20):
     # the first and last calls score the evaluations
     reward = sum(rewards[3:-1]) / (len(rewards) - 4)
     return {
-        "epoch": round(epoch, 4),
-        "rollout": round(rollout, 4),
-        "reward": round(reward, 4),
-        "update": round(epoch - rollout - reward, 4),
-    }
+        "epoch": round(epoch, 4), "rollout": round(rollout, 4), "reward": round(reward, 4),
+        "update": round(epoch - rollout - reward, 4)}
 
 
 def final_quality(train_steps, seed):
@@ -82,9 +79,7 @@ def final_quality(train_steps, seed):
         summary = flow_grpo.train(args)
     return {
         "accuracy_after": round(summary["accuracy_after"], 3),
-        "reward_after": round(summary["reward_after"], 3),
-        "wall_seconds": summary["wall_seconds"],
-    }
+        "reward_after": round(summary["reward_after"], 3), "wall_seconds": summary["wall_seconds"]}
 
 
 if __name__ == "__main__":
@@ -97,10 +92,8 @@ if __name__ == "__main__":
         print(
             json.dumps(
                 {
-                    "seed": seed,
-                    "final_10_steps": final_quality(10, seed),
-                    "final_40_steps": final_quality(40, seed),
-                }
+                    "seed": seed, "final_10_steps": final_quality(10, seed),
+                    "final_40_steps": final_quality(40, seed)}
             ),
             flush=True,
         )

@@ -92,14 +92,11 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
     flops = peak_flops(device)
     return {
-        "preset": name,
-        "params": params,
-        "samples": n,
+        "preset": name, "params": params, "samples": n,
         "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
         "train_tokens_per_s": round(train_tokens / train_s, 1),
         "gen_mfu": round(2 * params * gen_tokens / gen_s / flops, 4) if flops else None,
-        "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None,
-    }
+        "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None}
 
 
 def sd3_step(config, lora_rank, images, steps, resolution, device):
@@ -152,14 +149,9 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     optimizer.step()
     sync(device)
     return {
-        "preset": "sd3.5-medium+lora",
-        "params": params,
-        "images": images,
-        "resolution": resolution,
-        "precision": str(dtype),
-        "rollout_images_per_s": round(images / rollout_s, 3),
-        "update_images_per_s": round(images / (time.time() - start), 3),
-    }
+        "preset": "sd3.5-medium+lora", "params": params, "images": images, "resolution": resolution,
+        "precision": str(dtype), "rollout_images_per_s": round(images / rollout_s, 3),
+        "update_images_per_s": round(images / (time.time() - start), 3)}
 
 
 def main():

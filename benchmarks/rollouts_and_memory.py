@@ -54,10 +54,8 @@ if __name__ == "__main__":
             print(
                 json.dumps(
                     {
-                        "hidden": hidden,
-                        "batch": batch,
-                        "tokens_per_s": round(generation_throughput(hidden, batch)),
-                    }
+                        "hidden": hidden, "batch": batch,
+                        "tokens_per_s": round(generation_throughput(hidden, batch))}
                 ),
                 flush=True,
             )

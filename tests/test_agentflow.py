@@ -10,6 +10,8 @@ import torch
 import agentflow
 import common
 from utils import models
+from envs import agent_tools
+from envs import agent_toy
 
 
 def toy_args(tmp_path, *extra):
@@ -72,7 +74,9 @@ def scripted(outputs):
 def toy_world():
     args = common.parse_args(
         agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
-    return agentflow.build_toy(args, torch.device("cpu"))
+    world = agent_toy.build_toy(args, torch.device("cpu"))
+    agentflow.warm_start(world, world.train[: args.warm_start_demos], args)
+    return world
 
 
 def two_step_query(world):
@@ -100,8 +104,8 @@ def test_the_turn_cap_holds(toy_world):
 
 
 def test_answers_match():
-    assert agentflow.answers_match("42.0", "42") and agentflow.answers_match(" Paris. ", "paris")
-    assert not agentflow.answers_match("41", "42") and not agentflow.answers_match(None, "42")
+    assert agent_tools.answers_match("42.0", "42") and agent_tools.answers_match(" Paris. ", "paris")
+    assert not agent_tools.answers_match("41", "42") and not agent_tools.answers_match(None, "42")
 
 
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):
@@ -130,8 +134,10 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
 @pytest.mark.slow
 def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
     s = agentflow.train(toy_args(tmp_path, "--seed", "1"))
-    assert s["accuracy_after"] >= s["accuracy_before"] + 0.25
-    assert s["accuracy_after"] > s["accuracy_final_turn_credit"]
+    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.36 (seed 3) and the
+    # smallest lead over final-turn credit 0.365 (seed 4); the test asks for less than half of each.
+    assert s["accuracy_after"] >= s["accuracy_before"] + 0.15
+    assert s["accuracy_after"] >= s["accuracy_final_turn_credit"] + 0.15
 
 
 def tiny_planner(tmp_path):
@@ -194,7 +200,7 @@ def test_missing_and_malformed_data_files(tmp_path):
 
 
 def test_plan_parser_reads_the_official_fields_in_any_case():
-    system = agentflow.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
+    system = agent_tools.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
     assert system.parse_plan("Sub-Goal: find the\ncapital of France\nTool: retrieve") == (
         "retrieve", "find the capital of France")
     assert system.parse_plan("**sub-goal:** x\n**tool:** Python") == ("python", "x")
@@ -204,10 +210,10 @@ def test_plan_parser_reads_the_official_fields_in_any_case():
 
 
 def test_the_executor_sees_the_memory_so_far(monkeypatch):
-    system = agentflow.ToolSystem([], [], None, None, lambda q: "found", 1.0, 8, 8, ())
+    system = agent_tools.ToolSystem([], [], None, None, lambda q: "found", 1.0, 8, 8, ())
     seen = []
     monkeypatch.setattr(
-        agentflow.ToolSystem, "frozen",
+        agent_tools.ToolSystem, "frozen",
         lambda self, prompts, max_new_tokens=None: seen.extend(prompts) or ["Paris"] * len(prompts))
     memory = agentflow.Memory()
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)

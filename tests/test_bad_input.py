@@ -12,11 +12,8 @@ import rc_grpo
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
 CLIP_FLAG = {
-    "flowrl": "--clip-eps",
-    "flow_grpo": "--clip-range",
-    "agentflow": "--clip-eps",
-    "rc_grpo": "--clip-eps",
-}
+    "flowrl": "--clip-eps", "flow_grpo": "--clip-range", "agentflow": "--clip-eps",
+    "rc_grpo": "--clip-eps"}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

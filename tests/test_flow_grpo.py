@@ -144,10 +144,12 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_toy_flow_grpo_learns_and_keeps_diversity(tmp_path, cache_dir):
     s = flow_grpo.train(toy_args(tmp_path, cache_dir, "--seed", "1"))
+    # Margins (five-seed sweep, docs/flow_grpo.md): accuracy 0.46–0.55 → ≥ 0.99 on every seed, so
+    # 0.75 is half-way from the start to the worst seed; the independent judge gives ≥ 0.985.
+    # Diversity keeps ≥ 0.735 of its start on every seed; the test asks for half.
     assert s["accuracy_before"] < 0.7
-    # the independent judge agrees
-    assert s["accuracy_after"] >= 0.95 and s["accuracy_judge_after"] >= 0.9
-    assert s["diversity_after"] >= 0.7 * s["diversity_before"]
+    assert s["accuracy_after"] >= 0.75 and s["accuracy_judge_after"] >= 0.75
+    assert s["diversity_after"] >= 0.5 * s["diversity_before"]
 
 
 @pytest.fixture(scope="module")

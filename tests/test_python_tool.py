@@ -1,4 +1,4 @@
-"""agentflow.python_tool: model-written code runs isolated at the OS level. Each hostile program
+"""sandbox.python_tool: model-written code runs isolated at the OS level. Each hostile program
 below is checked from outside: no file appears anywhere we watch, no packet reaches a loopback
 listener, no process is left, no secret or gold answer is printed, and the trainer is untouched."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import agentflow
+from envs import sandbox
 
 pytestmark = pytest.mark.skipif(
-    not agentflow.sandbox_isolates(), reason="needs root and util-linux unshare")
+    not sandbox.sandbox_isolates(), reason="needs root and util-linux unshare")
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-123"
@@ -108,7 +108,7 @@ def untouched(o, readme_before):
                 owners.append(proc.stat().st_uid)
             except FileNotFoundError:
                 pass
-    assert agentflow.SANDBOX_UID not in owners  # no process of the sandbox is left
+    assert sandbox.SANDBOX_UID not in owners  # no process of the sandbox is left
 
 
 def test_hostile_programs_have_no_effect_outside(outside):
@@ -117,7 +117,7 @@ def test_hostile_programs_have_no_effect_outside(outside):
     assert len(programs) >= 20
     for name, code in programs.items():
         start = time.time()
-        output, _ = agentflow.python_tool(
+        output, _ = sandbox.python_tool(
             code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"])
         assert time.time() - start < 6, name
         assert SECRET not in output and GOLD not in output, name
@@ -136,11 +136,11 @@ def test_the_check_can_fail(outside):
 
 
 def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
-    output, ok = agentflow.python_tool(
+    output, ok = sandbox.python_tool(
         "import numpy as np, sympy as sp\n"
         "print(int(np.arange(10).sum()), sp.factorint(360), sp.solve('x**2 - 4'))"
     )
     assert ok and output == "45 {2: 3, 3: 2, 5: 1} [-2, 2]"
-    output, ok = agentflow.python_tool(
+    output, ok = sandbox.python_tool(
         "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())")
     assert ok and output == "hi"

@@ -48,24 +48,21 @@ def toy_entry(files):
     contents = {
         "docs": {
             "type": "directory",
-            "contents": {f: {"type": "file", "content": f"{f} text"} for f in files},
-        }
+            "contents": {f: {"type": "file", "content": f"{f} text"} for f in files}}
     }
     return {
         "id": "t_0",
         "category": "toy",
         "involved_classes": ["GorillaFileSystem"],
         "initial_config": {
-            "GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}
-        },
+            "GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}},
         "question": [[{"role": "user", "content": "x"}]],
     }
 
 
 def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
     entry = toy_entry(["a.txt"]) | {
-        "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]
-    }
+        "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]}
     assert (
         rc_grpo.trajectory_reward(
             entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]])
@@ -141,8 +138,7 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
 ):
     marker = tmp_path / "pwned"
     entry = toy_entry(["a.txt"]) | {
-        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]
-    }
+        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
     hostile = [
         f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
@@ -158,8 +154,7 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
 def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(monkeypatch):
     entry = toy_entry(["a.txt"]) | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
-        "ground_truth": [["ls()"], ["pwd()"]],
-    }
+        "ground_truth": [["ls()"], ["pwd()"]]}
     (run,) = rc_grpo.run_rollouts(
         scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3

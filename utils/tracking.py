@@ -80,10 +80,8 @@ class RunLogger:
 
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         summary = {
-            **summary,
-            "wall_seconds": round(time.time() - self.start, 2),
-            "peak_rss_mb": round(peak_rss_mb),
-        }
+            **summary, "wall_seconds": round(time.time() - self.start, 2),
+            "peak_rss_mb": round(peak_rss_mb)}
         if not self.main_process:
             return summary
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -164,12 +162,8 @@ def save_training_state(path, step, modules, optimizers, generators, extra):
     flat["rng/torch"] = torch.get_rng_state()
     numpy_state = np.random.get_state()
     state = {
-        "step": step,
-        "extra": extra,
-        "param_groups": groups,
-        "python_rng": random.getstate(),
-        "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
-    }
+        "step": step, "extra": extra, "param_groups": groups, "python_rng": random.getstate(),
+        "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]]}
     save_checkpoint(path, flat, state)
 
 

@@ -1,0 +1,219 @@
+"""AgentFlow at full scale: the frozen LLM modules (executor, verifier, generator = the base model with
+the planner's LoRA adapter off), the toolset (the isolated Python tool, TF-IDF retrieval over a local
+corpus, the base model as a generalist), QA data and answer matching.
+"""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import common
+from envs import sandbox
+from utils import models
+
+
+def make_retriever(corpus_path, top_k=3, max_chars=600):
+    """TF-IDF search over a local JSONL corpus of {"text"} (scikit-learn); no web access."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    path = Path(corpus_path)
+    if not path.is_file():
+        raise SystemExit(f"error: --corpus {str(path)!r} is not a file")
+    try:
+        docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise SystemExit(
+            f"error: {path}: every line must be JSON with a 'text' key ({err})") from None
+    vectorizer = TfidfVectorizer().fit(docs)
+    matrix = vectorizer.transform(docs)
+
+    def search(query):
+        scores = (matrix @ vectorizer.transform([query]).T).toarray()[:, 0]
+        best = scores.argsort()[::-1][:top_k]
+        return (
+            "\n".join(
+                f"[{k + 1}] {docs[j][:max_chars]}" for k, j in enumerate(best) if scores[j] > 0
+            )
+            or "no match"
+        )
+
+    return search
+
+
+FULL_TOOLS = {
+    "python": (
+        "Runs Python code and returns what it prints.",
+        "a complete Python program that prints the result"),
+    "retrieve": ("Searches a local document collection.", "a short keyword search query"),
+    "generate": ("Asks a general language model.", "a self-contained question or instruction"),
+}
+
+
+def load_qa_jsonl(path):
+    """[{question, answer}] from a JSONL file, with one-line errors for a missing or malformed
+    file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: data file {str(path)!r} is not a file")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise SystemExit(
+                    f"error: {path}:{n}: expected JSON with 'question' and 'answer' ({err})"
+                ) from None
+    if not rows:
+        raise SystemExit(f"error: {path} holds no rows")
+    return rows
+
+
+def answers_match(prediction, answer):
+    """Exact match after normalising case, spaces and a trailing period; numbers compared as
+    numbers."""
+    if prediction is None:
+        return False
+    pred, gold = str(prediction).strip().strip(".").lower(), str(answer).strip().strip(".").lower()
+    try:
+        return abs(float(pred.replace(",", "")) - float(gold.replace(",", ""))) < 1e-6
+    except ValueError:
+        return " ".join(pred.split()) == " ".join(gold.split())
+
+
+@dataclasses.dataclass
+class ToolSystem:
+    """Full scale: the planner is an HF model with LoRA; executor, verifier and generator are the
+    same model with the adapter off, greedy (the paper's frozen modules, DEVIATION 2). Tools: Python
+    (sandboxed), retrieval over a local corpus, and the base generator."""
+
+    train: list
+    test: list
+    tokenizer: object
+    planner: object
+    retrieve: object
+    tool_timeout: float
+    max_new_tokens: int
+    gen_batch: int
+    hidden_files: tuple
+
+    def chat(self, text):
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    def frozen(self, prompts, max_new_tokens=None):
+        """The frozen modules: base weights (adapter off), greedy."""
+        with self.planner.disable_adapter():
+            out = common.sample_completions(
+                self.planner, self.tokenizer, [self.chat(p) for p in prompts],
+                max_new_tokens or self.max_new_tokens, 0.0, batch_rows=self.gen_batch)
+        return [text for text, _, _ in out]
+
+    def planner_prompt(self, query, memory):
+        tools = "\n".join(
+            f"- {name}: {desc} Input: {fmt}." for name, (desc, fmt) in FULL_TOOLS.items()
+        )
+        return self.chat(
+            f"Question: {query['question']}\nTools:\n{tools}\nMemory:\n{render_memory(memory)}\n"
+            "Plan the next step. Reply exactly:\n"
+            "Sub-Goal: <what to find out next>\nTool: <tool name>"
+        )
+
+    def parse_plan(self, text):
+        """The official planner's `Sub-Goal:` / `Tool:` fields, any case, markdown bold allowed; the
+        sub-goal may span lines."""
+        text = text.replace("*", "")
+        tool = re.search(r"^\W*tool\W*:\s*([\w-]+)", text, re.I | re.M)
+        goal = re.search(r"^\W*sub-?goal\W*:\s*(.+?)(?=^\W*tool\W*:|\Z)", text, re.I | re.M | re.S)
+        if not tool or not goal or tool.group(1).lower() not in FULL_TOOLS:
+            raise ValueError("expected 'Sub-Goal: …' and 'Tool: <" + "|".join(FULL_TOOLS) + ">'")
+        return tool.group(1).lower(), " ".join(goal.group(1).split())
+
+    def execute(self, calls):
+        """The executor writes each tool's input from the question, the sub-goal and the memory so
+        far (the official executor's context), then the tool runs."""
+        commands = self.frozen(
+            [
+                f"Question: {q['question']}\nContext (earlier steps):\n{render_memory(m)}\n"
+                f"Sub-Goal: {goal}\nWrite the input for the tool '{tool}': {FULL_TOOLS[tool][1]}. "
+                "Reply with the input only."
+                for q, tool, goal, m in calls
+            ]
+        )
+        results = []
+        for (query, tool, goal, _), command in zip(calls, commands):
+            if tool == "python":
+                block = re.search(r"```(?:python)?\n(.*?)```", command, re.S)
+                results.append(
+                    (
+                        command,
+                        *sandbox.python_tool(
+                            block.group(1) if block else command, self.tool_timeout,
+                            hidden_files=self.hidden_files),
+                    )
+                )
+            elif tool == "retrieve":
+                results.append((command, self.retrieve(command), True))
+            else:
+                results.append((command, self.frozen([command])[0], True))
+        return results
+
+    def verify(self, items):
+        verdicts = self.frozen(
+            [
+                f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nIs the memory enough to "
+                "answer? Reply STOP or CONTINUE."
+                for q, m in items
+            ],
+            max_new_tokens=8,
+        )
+        return ["STOP" in v.upper() for v in verdicts]
+
+    def generate(self, items):
+        texts = self.frozen(
+            [
+                f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nGive the final answer on "
+                "the last line as 'Answer: <answer>'."
+                for q, m in items
+            ]
+        )
+        return [
+            (
+                re.findall(r"Answer:\s*(.+)", t)
+                or [t.strip().splitlines()[-1] if t.strip() else None]
+            )[-1]
+            for t in texts
+        ]
+
+    def judge(self, query, answer):
+        return answers_match(answer, query["answer"])
+
+
+def render_memory(memory):
+    """M as text for the LLM modules, one line per step."""
+    return (
+        "\n".join(
+            f"Step {e['step']}: tool={e['tool']} sub-goal={e['subgoal']!r} "
+            f"command={e['command']!r} "
+            f"result={str(e['result'])[:500]!r}"
+            for e in memory.entries
+        )
+        or "(empty)"
+    )
+
+
+def build_full(args, device):
+    """HF planner with LoRA; the frozen modules are the same model with the adapter off."""
+    tokenizer, planner = models.load_causal_lm(
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
+    retrieve = (
+        make_retriever(args.corpus) if args.corpus else (lambda query: "error: no --corpus given")
+    )
+    # the tool cannot read them
+    hidden = tuple(f for f in (args.data, args.eval_data, args.corpus) if f)
+    return ToolSystem(
+        load_qa_jsonl(args.data), load_qa_jsonl(args.eval_data) if args.eval_data else [],
+        tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
+        args.gen_batch, hidden)
