@@ -18,7 +18,7 @@ Equation map (paper → function):
     Flow-GRPO   A_i = (R_i − mean_G R) / std_G R, shared by every turn of τ_i
                                                                          → broadcast_advantages
     Flow-GRPO   token-level clipped ratio in each planner output, − β·KL   → flow_grpo_loss
-    tools       a model-written Python tool, isolated by the OS            → python_tool
+    tools       a model-written Python tool, isolated by the OS            → sandbox.python_tool
 
 Deviations (numbered, on purpose):
     1. Turn-samples are averaged token-wise over the whole batch (common `token-mean`, as the

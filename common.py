@@ -282,26 +282,28 @@ def reference_logprobs(
 @dataclasses.dataclass
 class MicroBatch:
     """One token-bounded slice of a step's rows: their indices, packed ids and attention (B, P+W),
-    the completion mask (B, W), the sampler's log-probs in place (B, W), π_ref's (B, W) or None."""
+    the completion mask (B, W), the sampler's log-probs in place (B, W) and π_ref's (B, W), each
+    None when not asked for."""
 
     rows: list
     ids: torch.Tensor
     attn: torch.Tensor
     mask: torch.Tensor
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor = None
     ref_logp: torch.Tensor = None
 
 
 def scored_micro_batches(tokenizer, prompts, completions, old_logps, token_budget, device,
                          model=None, reference=None, temperature=1.0):
     """A step's rows as micro-batches of at most `token_budget` padded tokens (`micro_batches`),
-    each packed, with the sampler's log-probs placed on its mask and, when `model` is given, π_ref's
-    log-probs computed once (the frozen `reference`, else `model` with its adapter off)."""
+    each packed, with the sampler's log-probs (`old_logps`, one 1-D tensor per row, or None) placed
+    on its mask and, when `model` is given, π_ref's log-probs computed once (the frozen
+    `reference`, else `model` with its adapter off)."""
     out = []
     for rows in micro_batches(tokenizer, prompts, completions, token_budget):
         ids, attn, mask = pack_completions(
             tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
-        old_logp = place_logprobs(mask, [old_logps[r] for r in rows])
+        old_logp = None if old_logps is None else place_logprobs(mask, [old_logps[r] for r in rows])
         ref_logp = (None if model is None else
                     reference_logprobs(model, reference, ids, attn, mask.shape[1], temperature))
         out.append(MicroBatch(rows, ids, attn, mask, old_logp, ref_logp))

@@ -1,6 +1,8 @@
-"""AgentFlow at full scale: the frozen LLM modules (executor, verifier, generator = the base model with
-the planner's LoRA adapter off), the toolset (the isolated Python tool, TF-IDF retrieval over a local
-corpus, the base model as a generalist), QA data and answer matching.
+"""AgentFlow at full scale: the frozen LLM modules and the toolset.
+
+The executor, verifier and generator are the base model with the planner's LoRA adapter off; the
+tools are the isolated Python tool, TF-IDF retrieval over a local corpus and the base model as a
+generalist; QA data and answer matching.
 """
 
 import dataclasses

@@ -1,8 +1,9 @@
 """AgentFlow's toy: questions over a small knowledge base that need two lookups and a calculation.
 
-The planner is a tiny Qwen2; the executor, verifier and generator are deterministic rules (DEVIATION 2
-of agentflow.py). A careless demonstrator repeats attr1 in its second lookup, so a warm-started
-planner is wrong in a middle turn: the case where broadcasting the outcome to every turn matters.
+The planner is a tiny Qwen2; the executor, verifier and generator are deterministic rules
+(DEVIATION 2 of agentflow.py). A careless demonstrator repeats attr1 in its second lookup, so a
+warm-started planner is wrong in a middle turn: the case where broadcasting the outcome to every
+turn matters.
 """
 
 import dataclasses

@@ -104,8 +104,9 @@ def test_the_turn_cap_holds(toy_world):
 
 
 def test_answers_match():
-    assert agent_tools.answers_match("42.0", "42") and agent_tools.answers_match(" Paris. ", "paris")
-    assert not agent_tools.answers_match("41", "42") and not agent_tools.answers_match(None, "42")
+    match = agent_tools.answers_match
+    assert match("42.0", "42") and match(" Paris. ", "paris")
+    assert not match("41", "42") and not match(None, "42")
 
 
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):

@@ -12,36 +12,38 @@ import torch
 import common
 import rc_grpo
 from utils import models
+from envs import bfcl
+from envs import bfcl_toy
 
 
 @pytest.fixture(scope="module")
 def entries():
-    return rc_grpo.load_bfcl_entries()
+    return bfcl.load_bfcl_entries()
 
 
 def test_all_800_entries_load_and_split_720_80(entries):
     assert len(entries) == 800
-    assert {e["category"] for e in entries} == set(rc_grpo.CATEGORIES)
-    train, test = rc_grpo.split_entries(entries)
+    assert {e["category"] for e in entries} == set(bfcl.CATEGORIES)
+    train, test = bfcl.split_entries(entries)
     assert len(train) == 720 and len(test) == 80
-    assert {c: sum(e["category"] == c for e in test) for c in rc_grpo.CATEGORIES} == dict.fromkeys(
-        rc_grpo.CATEGORIES, 20)
+    assert {c: sum(e["category"] == c for e in test) for c in bfcl.CATEGORIES} == dict.fromkeys(
+        bfcl.CATEGORIES, 20)
 
 
 def test_ground_truth_replay_scores_one_on_every_entry_for_both_rewards(entries):
     assert [
-        e["id"] for e in entries if rc_grpo.trajectory_reward(e, e["ground_truth"]) != 1.0
+        e["id"] for e in entries if bfcl.trajectory_reward(e, e["ground_truth"]) != 1.0
     ] == []
-    assert [e["id"] for e in entries if rc_grpo.bfcl_check(e, e["ground_truth"]) != 1.0] == []
+    assert [e["id"] for e in entries if bfcl.bfcl_check(e, e["ground_truth"]) != 1.0] == []
 
 
 def test_dropping_a_state_changing_call_scores_zero(entries):
     entry = next(e for e in entries if e["id"] == "multi_turn_base_0")
     dropped = [list(turn) for turn in entry["ground_truth"]]
     dropped[0].remove("mkdir(dir_name='temp')")  # the mv then fails: the folder never exists
-    assert rc_grpo.trajectory_reward(entry, dropped) == 0.0
-    assert rc_grpo.bfcl_check(entry, dropped) == 0.0
-    assert rc_grpo.bfcl_check(entry, entry["ground_truth"][:-1]) == 0.0  # a missing last turn
+    assert bfcl.trajectory_reward(entry, dropped) == 0.0
+    assert bfcl.bfcl_check(entry, dropped) == 0.0
+    assert bfcl.bfcl_check(entry, entry["ground_truth"][:-1]) == 0.0  # a missing last turn
 
 
 def toy_entry(files):
@@ -64,21 +66,21 @@ def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
     entry = toy_entry(["a.txt"]) | {
         "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]}
     assert (
-        rc_grpo.trajectory_reward(
+        bfcl.trajectory_reward(
             entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]])
         == 1.0
     )
     # a ground-truth call is missing
-    assert rc_grpo.trajectory_reward(entry, [["cd(folder='docs')", "ls()"]]) == 0.0
+    assert bfcl.trajectory_reward(entry, [["cd(folder='docs')", "ls()"]]) == 0.0
 
 
 def test_positional_and_keyword_arguments_both_dispatch_and_compare_equal():
     entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm('a.txt')"]]}
-    env = rc_grpo.BFCLEnv(entry)
-    assert env.execute(rc_grpo.parse_calls("[cd('docs')]")) == env.execute(
-        rc_grpo.parse_calls("[cd(folder='.')]"))
-    assert "a.txt" in env.execute(rc_grpo.parse_calls("ls()"))[0]
-    assert rc_grpo.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
+    env = bfcl.BFCLEnv(entry)
+    assert env.execute(bfcl.parse_calls("[cd('docs')]")) == env.execute(
+        bfcl.parse_calls("[cd(folder='.')]"))
+    assert "a.txt" in env.execute(bfcl.parse_calls("ls()"))[0]
+    assert bfcl.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
 
 
 HOSTILE = [
@@ -94,15 +96,15 @@ def test_hostile_output_is_rejected_without_side_effects(tmp_path):
     marker = tmp_path / "pwned"
     for template in HOSTILE:
         with pytest.raises(ValueError):
-            rc_grpo.parse_calls(
+            bfcl.parse_calls(
                 template.format(marker=marker)
                 if "{marker}" in template
                 else template.replace("{{", "{").replace("}}", "}")
             )
     assert not marker.exists()
     # names that parse but are not allow-listed methods: an error result, not a call
-    env = rc_grpo.BFCLEnv(toy_entry(["a.txt"]))
-    calls = rc_grpo.parse_calls(
+    env = bfcl.BFCLEnv(toy_entry(["a.txt"]))
+    calls = bfcl.parse_calls(
         f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]")
     assert all(r.startswith("Error during execution") for r in env.execute(calls))
     assert not marker.exists()
@@ -117,8 +119,8 @@ DEEP = [
 @pytest.mark.parametrize("text", DEEP)
 def test_deep_or_long_output_is_a_parse_failure_never_another_exception(text):
     with pytest.raises(ValueError):
-        rc_grpo.parse_calls(text)
-    assert rc_grpo.decode_calls(text) == []  # in a rollout: the turn ends
+        bfcl.parse_calls(text)
+    assert bfcl.decode_calls(text) == []  # in a rollout: the turn ends
 
 
 def scripted_world(monkeypatch, outputs):
@@ -127,7 +129,7 @@ def scripted_world(monkeypatch, outputs):
     monkeypatch.setattr(
         common, "sample_completions",
         lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
-    return rc_grpo.World([], [], None, None, chat=False, end_text="done")
+    return bfcl.World([], [], None, None, chat=False, end_text="done")
 
 
 ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10)
@@ -142,12 +144,12 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
     hostile = [
         f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
-        (run,) = rc_grpo.run_rollouts(
+        (run,) = bfcl.run_rollouts(
             scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS)
         assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
-    (run,) = rc_grpo.run_rollouts(world, [entry], [None], 1.0, ROLLOUT_ARGS)
+    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["reward"] == 1.0 and len(run["steps"]) == 3  # `[]` ended the turn
 
 
@@ -155,11 +157,11 @@ def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(mon
     entry = toy_entry(["a.txt"]) | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
         "ground_truth": [["ls()"], ["pwd()"]]}
-    (run,) = rc_grpo.run_rollouts(
+    (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
     capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3)
-    (run,) = rc_grpo.run_rollouts(
+    (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
     # 4 > 3 steps in turn 0: abandoned
     assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
@@ -169,32 +171,32 @@ def test_work_done_on_the_wrong_turn_scores_zero(entries):
     entry = next(e for e in entries if e["id"] == "multi_turn_base_1")
     truth = entry["ground_truth"]
     early = [truth[0] + truth[1], [], truth[2], truth[3]]  # turn 2's cd + mv done during turn 1
-    assert rc_grpo.bfcl_check(entry, truth) == 1.0
-    assert rc_grpo.bfcl_check(entry, early) == 0.0
+    assert bfcl.bfcl_check(entry, truth) == 1.0
+    assert bfcl.bfcl_check(entry, early) == 0.0
 
 
 def test_backend_calls_have_a_time_limit_and_a_result_cap():
     entry = toy_entry(["a.txt"]) | {"involved_classes": ["GorillaFileSystem", "MathAPI"]}
-    env = rc_grpo.BFCLEnv(entry)
+    env = bfcl.BFCLEnv(entry)
     start = time.time()
-    (result,) = env.execute(rc_grpo.parse_calls("[power(base=9, exponent=999999999)]"))
-    assert "longer than" in result and time.time() - start < rc_grpo.CALL_SECONDS + 2
-    assert env.execute(rc_grpo.parse_calls("[add(a=2, b=3)]")) == ['{"result": 5}']
-    (echoed,) = env.execute(rc_grpo.parse_calls(f"[echo(content={'x' * 9000!r})]"))
-    assert len(echoed) <= rc_grpo.MAX_RESULT_CHARS
+    (result,) = env.execute(bfcl.parse_calls("[power(base=9, exponent=999999999)]"))
+    assert "longer than" in result and time.time() - start < bfcl.CALL_SECONDS + 2
+    assert env.execute(bfcl.parse_calls("[add(a=2, b=3)]")) == ['{"result": 5}']
+    (echoed,) = env.execute(bfcl.parse_calls(f"[echo(content={'x' * 9000!r})]"))
+    assert len(echoed) <= bfcl.MAX_RESULT_CHARS
 
 
 def test_task_subsets_are_stratified_over_the_categories(entries):
-    picked = rc_grpo.stratified(entries, 8)
-    assert sorted(e["category"] for e in picked) == sorted(rc_grpo.CATEGORIES * 2)
+    picked = bfcl.stratified(entries, 8)
+    assert sorted(e["category"] for e in picked) == sorted(bfcl.CATEGORIES * 2)
 
 
 def test_two_rollouts_of_one_task_do_not_share_state():
     entry = toy_entry(["a.txt"])
-    first, second = rc_grpo.BFCLEnv(entry), rc_grpo.BFCLEnv(entry)
-    first.execute(rc_grpo.parse_calls("[cd(folder='docs'), rm(file_name='a.txt')]"))
-    second.execute(rc_grpo.parse_calls("[cd(folder='docs')]"))
-    assert "a.txt" in second.execute(rc_grpo.parse_calls("[ls()]"))[0]
+    first, second = bfcl.BFCLEnv(entry), bfcl.BFCLEnv(entry)
+    first.execute(bfcl.parse_calls("[cd(folder='docs'), rm(file_name='a.txt')]"))
+    second.execute(bfcl.parse_calls("[cd(folder='docs')]"))
+    assert "a.txt" in second.execute(bfcl.parse_calls("[ls()]"))[0]
     assert first.state() != second.state()
     assert "a.txt" in json.dumps(entry["initial_config"])  # the entry itself is untouched
 
@@ -202,9 +204,9 @@ def test_two_rollouts_of_one_task_do_not_share_state():
 def test_miss_func_functions_are_callable_only_after_their_turn(entries):
     entry = next(e for e in entries if e["category"] == "miss_func")
     ((turn, names),) = entry["missed_function"].items()
-    env = rc_grpo.BFCLEnv(entry)
+    env = bfcl.BFCLEnv(entry)
     assert names[0] not in env.methods
-    shown, later = rc_grpo.function_docs(entry)
+    shown, later = bfcl.function_docs(entry)
     assert (
         names[0] not in [d["name"] for d in shown]
         and [d["name"] for d in later[int(turn)]] == names
@@ -214,11 +216,12 @@ def test_miss_func_functions_are_callable_only_after_their_turn(entries):
 
 
 def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
-    train, _ = rc_grpo.toy_entries(10, 0, 0.15)
+    train, _ = bfcl_toy.toy_entries(10, 0, 0.15)
     tokenizer = models.make_tokenizer(
-        ["user", "asst", "tool", "delete", *rc_grpo.TOY_FILES], rc_grpo.REWARD_TOKENS)
-    world = rc_grpo.World([], [], tokenizer, None, chat=False, end_text="done")
-    samples = rc_grpo.trajectory_samples(world, train[0], rc_grpo.HIGH, train[0]["ground_truth"])
+        ["user", "asst", "tool", "delete", *bfcl_toy.TOY_FILES], rc_grpo.REWARD_TOKENS)
+    world = bfcl.World([], [], tokenizer, None, chat=False, end_text="done")
+    samples = bfcl.trajectory_samples(
+        world, train[0], rc_grpo.reward_goal(rc_grpo.HIGH), train[0]["ground_truth"])
     assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")
     token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
     ids, attn, mask = common.pack_completions(
@@ -296,7 +299,7 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
 
 
 def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
-    words = json.dumps(rc_grpo.load_bfcl_entries(["base"])[0]).split()[:2000]
+    words = json.dumps(bfcl.load_bfcl_entries(["base"])[0]).split()[:2000]
     tokenizer = models.make_tokenizer(words)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"

@@ -3,7 +3,8 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(p for d in ["", "tests", "benchmarks"] for p in (ROOT / d).glob("*.py"))
+FOLDERS = ["", "envs", "utils", "tests", "benchmarks"]
+SOURCES = sorted(p for d in FOLDERS for p in (ROOT / d).glob("*.py"))
 
 
 def test_lines_fit_in_100_columns():

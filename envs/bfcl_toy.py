@@ -1,0 +1,124 @@
+"""RC-GRPO's toy: "delete F" on a real GorillaFileSystem; F sits in `docs` except on rare tasks.
+
+Experts look first (find → cd to the folder found → rm) and were recorded on the common case only,
+so imitation learns `cd docs`; the careless base model sometimes copies the folder it found.
+"""
+
+import random
+
+from envs import bfcl
+from utils import models
+
+
+TOY_FILES = ["report.txt", "notes.md", "data.csv", "todo.txt", "draft.doc"]
+TOY_DIRS = ["docs", "work", "temp", "misc"]
+
+
+def toy_entries(n, seed, rare_share, n_test=200):
+    """BFCL-format entries on the real GorillaFileSystem: "delete F", F in one of four folders.
+
+    The user never says where F is. The expert looks first: [find(name=F), cd(folder=D),
+    rm(file_name=F)], D copied from find's result. The folder mix is skewed: F sits in `docs`
+    except on a `rare_share` of tasks, spread over the three other folders, and the experts were
+    recorded on the common case only: imitation learns `cd docs`, and the rare folders are left to
+    what the base model does (it sometimes copies the folder it found).
+    """
+    rng = random.Random(seed)
+    entries = []
+    for k in range(n + n_test):
+        target = rng.choice(TOY_FILES)
+        rare = rng.random() < rare_share
+        folder = rng.choice(TOY_DIRS[1:]) if rare else "docs"
+        contents = {d: {"type": "directory", "contents": {}} for d in TOY_DIRS}
+        contents[folder]["contents"][target] = {"type": "file", "content": f"{target} content"}
+        for other in rng.sample([f for f in TOY_FILES if f != target], 2):
+            contents[rng.choice(TOY_DIRS)]["contents"][other] = {
+                "type": "file", "content": f"{other} content"}
+        entries.append(
+            {
+                "id": f"toy_{k}",
+                "category": "toy",
+                "involved_classes": ["GorillaFileSystem"],
+                "initial_config": {
+                    "GorillaFileSystem": {
+                        "root": {"workspace": {"type": "directory", "contents": contents}}}
+                },
+                "question": [[{"role": "user", "content": f"delete {target}"}]],
+                "ground_truth": [
+                    [
+                        f"find(name='{target}')", f"cd(folder='{folder}')",
+                        f"rm(file_name='{target}')"]
+                ],
+                "rare": rare,
+                "demonstrated": not rare,  # experts were recorded on the common case only
+            }
+        )
+    return entries[:n], entries[n:]
+
+
+def sloppy_agent_steps(entry, rng):
+    """The toy's "base model" behaviour: syntax-correct but careless (sometimes looks first, often
+    guesses)."""
+    target = entry["question"][0][0]["content"].split()[-1]
+    folder = bfcl.parse_calls(entry["ground_truth"][0][1])[0][2]["folder"]
+    steps = []
+    if rng.random() < 0.4:
+        steps.append(f"find(name={target!r})")
+        steps.append(f"cd(folder={folder if rng.random() < 0.9 else rng.choice(TOY_DIRS)!r})")
+    else:
+        steps.append(f"cd(folder={rng.choice(TOY_DIRS)!r})")
+    steps.append(f"rm(file_name={target if rng.random() < 0.7 else rng.choice(TOY_FILES)!r})")
+    return steps
+
+
+def build_toy(args, device, special_tokens):
+    """The toy world with an untrained tiny Qwen2, and the data its "base model" is pretrained on:
+    a careless agent's trajectories (real env observations) on generic tasks, whose files sit in
+    any folder alike. `special_tokens` (the reward tokens) are never split."""
+    train, test = toy_entries(args.toy_tasks, args.seed, args.rare_share, args.toy_test_tasks)
+    generic, _ = toy_entries(args.toy_tasks, args.seed + 1, rare_share=0.75, n_test=0)
+    words = [
+        "user", "asst", "tool", "delete", "done", "[", "]", "(", ")", ",", "=", "[Reward", "Goal:",
+        "None", "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name",
+        *TOY_DIRS, *TOY_FILES, *[repr(w) for w in TOY_DIRS + TOY_FILES]]
+    tokenizer = models.make_tokenizer(words, special_tokens=special_tokens)
+    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+    world = bfcl.World(train, test, tokenizer, model, chat=False, end_text="done")
+    rng = random.Random(args.seed)
+    base_data = [
+        s for e in generic for _ in range(3)
+        for s in bfcl.trajectory_samples(world, e, None, sloppy_agent_steps(e, rng))]
+    return world, base_data
+
+
+def results_table(summary, arms):
+    """Table 1 in miniature: held-out accuracy and mean zero-variance fraction per arm."""
+    lines = [f"{'arm':<14} {'accuracy':>9} {'zero-var':>9}"]
+    lines += [
+        f"{a:<14} {summary[a]['accuracy']:>9.3f} {summary[a]['zero_variance_fraction']:>9.3f}"
+        for a in arms
+    ]
+    return "\n".join(lines)
+
+
+def sweep_row(summaries):
+    """One seed of the sweep: held-out accuracy (high token) and zero-variance fraction of the two
+    arms the claim compares, RCTP's token gap ε, and the rare-folder accuracy of both."""
+    s = summaries[""]
+    return {
+        "token_gap": s["token_gap"], "acc_sft_grpo": s["sft+grpo"]["accuracy"],
+        "acc_rctp_rc": s["rctp+rc-grpo"]["accuracy"],
+        "rare_sft_grpo": s["sft+grpo"].get("rare_accuracy", float("nan")),
+        "rare_rctp_rc": s["rctp+rc-grpo"].get("rare_accuracy", float("nan")),
+        "zv_sft_grpo": s["sft+grpo"]["zero_variance_fraction"],
+        "zv_rctp_rc": s["rctp+rc-grpo"]["zero_variance_fraction"]}
+
+
+def claim_holds(row):
+    """The paper's claim on one seed: RCTP+RC-GRPO beats SFT+GRPO in accuracy with fewer
+    zero-variance groups, from a stage 1 with a token gap ε ≥ 0.2."""
+    return (
+        row["acc_rctp_rc"] > row["acc_sft_grpo"]
+        and row["zv_rctp_rc"] < row["zv_sft_grpo"]
+        and row["token_gap"] >= 0.2
+    )
