@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	$(PY) flowrl.py --quiet
 	$(PY) flowrl.py --quiet --algo grpo
 	$(PY) flowrl.py --quiet --algo grpo-kl
-	$(PY) -c "import flowrl; flowrl.plot_kl_comparison('runs')"
+	$(PY) -c "from envs import flowrl_tasks; flowrl_tasks.plot_kl_comparison('runs')"
 	$(PY) flow_grpo.py --quiet
 	$(PY) agentflow.py --quiet
 	$(PY) rc_grpo.py --quiet

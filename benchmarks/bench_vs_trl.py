@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flowrl  # noqa: E402
 from utils import models  # noqa: E402
+from envs import flowrl_tasks  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 GROUP, LR = 8, 1e-5
@@ -38,7 +39,7 @@ def word_reward(texts):
 
 
 def addition_reward(texts, sums):
-    return [flowrl.integer_reward(t, {s}, first=True) for t, s in zip(texts, sums)]
+    return [flowrl_tasks.integer_reward(t, {s}, first=True) for t, s in zip(texts, sums)]
 
 
 def tiny_case(hidden):
@@ -57,7 +58,8 @@ def smollm2_case():
     tokenizer, model = models.load_causal_lm("smollm2", torch.device("cpu"))
     pairs = [(3, 4), (5, 2), (6, 1), (2, 7)]
     prompts = [
-        flowrl.chat_prompt(tokenizer, f"What is {a} + {b}?" + flowrl.REPLY) for a, b in pairs
+        flowrl_tasks.chat_prompt(tokenizer, f"What is {a} + {b}?" + flowrl_tasks.REPLY)
+        for a, b in pairs
     ]
     sums = {p: a + b for p, (a, b) in zip(prompts, pairs)}
     return dict(

@@ -19,6 +19,7 @@ import common
 import ddp_driver
 import flow_grpo
 import flowrl
+from envs import flowrl_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +82,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, 
     module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
     args = common.parse_args(module.Args, module.PRESETS, flags[1:])
     initial = (
-        flowrl.build_toy(args)[1]
+        flowrl_tasks.build_toy(args)[1]
         if module is flowrl
         else flow_grpo.DigitsTask(args, torch.device("cpu")).policy
     )

@@ -10,6 +10,7 @@ import torch
 import common
 import flowrl
 from utils import models
+from envs import flowrl_tasks
 
 
 def toy_args(tmp_path, *extra):
@@ -55,9 +56,9 @@ def test_importance_weight_is_clipped_and_detached():
 
 def test_exact_enumeration_equals_brute_force(tmp_path):
     args = toy_args(tmp_path)
-    tokenizer, model, task = flowrl.build_toy(args)
+    tokenizer, model, task = flowrl_tasks.build_toy(args)
     model.eval()
-    metrics = flowrl.exact_metrics(model, model, tokenizer, task, beta=1.0)
+    metrics = flowrl_tasks.exact_metrics(model, model, tokenizer, task, beta=1.0)
     texts, pi, target, reward = metrics["dists"][0]
     assert sum(pi) == pytest.approx(1.0, abs=1e-4) and sum(target) == pytest.approx(1.0, abs=1e-4)
     assert metrics["kl_policy_to_target"] > 0  # π = π_ref ≠ p*
@@ -163,7 +164,7 @@ MATH_PAIRS = [  # (completion, reference answer, reward)
 
 @pytest.mark.parametrize("completion, answer, reward", MATH_PAIRS)
 def test_math_answer_checker(completion, answer, reward):
-    assert flowrl.math_reward(completion, answer) == reward
+    assert flowrl_tasks.math_reward(completion, answer) == reward
 
 
 def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
@@ -260,7 +261,7 @@ def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
     ],
 )
 def test_integer_reward_reads_the_first_or_the_last_integer(reply, correct, first, reward):
-    assert flowrl.integer_reward(reply, correct, first) == reward
+    assert flowrl_tasks.integer_reward(reply, correct, first) == reward
 
 
 def test_answer_spread_counts_distinct_correct_answers_and_their_entropy(monkeypatch):
@@ -271,9 +272,9 @@ def test_answer_spread_counts_distinct_correct_answers_and_their_entropy(monkeyp
         return [(text, [], None) for text in replies]
 
     monkeypatch.setattr(common, "sample_completions", fake_sample)
-    task = flowrl.Task("numbers", ["p0", "p1"], [{2, 3, 5}, {5, 10}])
+    task = flowrl_tasks.Task("numbers", ["p0", "p1"], [{2, 3, 5}, {5, 10}])
     args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--spread-samples", "5"])
-    spread = flowrl.answer_spread(None, None, task, args)
+    spread = flowrl_tasks.answer_spread(None, None, task, args)
     assert spread["spread_reward"] == pytest.approx((4 / 5 + 4 / 5) / 2)
     assert spread["distinct_correct"] == 3  # {2, 3} and {5}
     # question 0: 2 and 3 twice each → ln 2; question 1: one answer → 0
@@ -303,7 +304,7 @@ def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
     )
     assert summary["sampler_logprob_max_dev"] < 1e-3
     if task == "numbers":
-        assert len(summary["counts"]) == len(flowrl.NUMBER_QUESTIONS)
+        assert len(summary["counts"]) == len(flowrl_tasks.NUMBER_QUESTIONS)
         assert 0 <= summary["spread_reward"] <= 1 and summary["distinct_correct"] >= 0
         assert (tmp_path / "answers.png").stat().st_size > 0
     else:  # greedy accuracy on the 64 held-out sums, logged at every evaluation
@@ -317,7 +318,7 @@ def test_addition_split_holds_out_64_sums_the_same_on_every_seed(tiny_chat_model
     for seed in ("0", "3"):
         args = toy_args("unused", "--preset", "smollm2-addition", "--model", str(tiny_chat_model))
         args.seed = int(seed)
-        _, _, task = flowrl.build_laptop(args, torch.device("cpu"))
+        _, _, task = flowrl_tasks.build_laptop(args, torch.device("cpu"))
         splits.append((task.prompts, [p for p, _ in task.eval_rows]))
         assert len(task.prompts) == 36 and len(task.eval_rows) == 64
         assert not set(task.prompts) & {p for p, _ in task.eval_rows}
@@ -331,11 +332,11 @@ def test_spread_sweep_row_and_claim():
     summaries = {
         "flowrl": summary(0.5, 8, 1.2) | {"before": summary(0.2, 6, 1.0)},
         "grpo": summary(0.7, 4, 0.6)}
-    row = flowrl.spread_row(summaries)
+    row = flowrl_tasks.spread_row(summaries)
     assert row == {
         "reward_start": 0.2, "reward_flowrl": 0.5, "reward_grpo": 0.7, "distinct_start": 6,
         "distinct_flowrl": 8, "distinct_grpo": 4, "entropy_start": 1.0, "entropy_flowrl": 1.2,
         "entropy_grpo": 0.6}
-    assert flowrl.spread_claim(row)
-    assert not flowrl.spread_claim(row | {"entropy_flowrl": 0.5})
-    assert not flowrl.spread_claim(row | {"reward_flowrl": 0.1})
+    assert flowrl_tasks.spread_claim(row)
+    assert not flowrl_tasks.spread_claim(row | {"entropy_flowrl": 0.5})
+    assert not flowrl_tasks.spread_claim(row | {"reward_flowrl": 0.1})

@@ -195,3 +195,41 @@ def load_training_state(path, modules, optimizers, generators):
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     return state["step"], state["extra"]
+
+
+class Run:
+    """One training run's plumbing, not a trainer (the loop stays in the script): the RunLogger
+    and an atomic checkpoint of `state` = (modules, optimizers, generators) every `save_every`
+    steps and at the last step, from which `resume` continues bit-exactly.
+
+    Only the main process writes; every process keeps the records."""
+
+    def __init__(self, out_dir, config, total_steps, desc, state, args, main_process=True,
+                 checkpoint=None):
+        self.logger = RunLogger(out_dir, config, total_steps, desc, args.quiet, main_process)
+        self.checkpoint = Path(checkpoint or Path(out_dir) / "checkpoint.safetensors")
+        self.state, self.total_steps, self.main_process = state, total_steps, main_process
+        self.save_every, self.resuming = args.save_every, args.resume
+
+    @property
+    def records(self):
+        return self.logger.records
+
+    def resume(self):
+        """(first step to run, the `extra` saved with the checkpoint); (1, {}) for a fresh run."""
+        if not (self.resuming and self.checkpoint.exists()):
+            return 1, {}
+        done, extra = load_training_state(self.checkpoint, *self.state)
+        self.logger.restore(extra.pop("records"))
+        return done + 1, extra
+
+    def log(self, step, record, extra=None):
+        """Log one step's metrics; checkpoint when it is time, with JSON-able `extra`."""
+        self.logger.log(step, **record)
+        due = step % self.save_every == 0 or step == self.total_steps if self.save_every else False
+        if due and self.main_process:
+            save_training_state(self.checkpoint, step, *self.state,
+                                extra=(extra or {}) | {"records": self.logger.records})
+
+    def finish(self, summary, plots=()):
+        return self.logger.finish(summary, plots)
