@@ -23,6 +23,7 @@ import common  # noqa: E402
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 from utils import models  # noqa: E402
+from envs import sd3  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -105,12 +106,12 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
-    dtype = flow_grpo.weight_dtype("auto", device)
+    dtype = sd3.weight_dtype("auto", device)
     transformer = SD3Transformer2DModel(**config).to(device, dtype).requires_grad_(False)
     transformer.add_adapter(
         LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
-            target_modules=flow_grpo.SD3_LORA_TARGETS)
+            target_modules=sd3.SD3_LORA_TARGETS)
     )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     for p in trainable:

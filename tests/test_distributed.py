@@ -20,6 +20,7 @@ import ddp_driver
 import flow_grpo
 import flowrl
 from envs import flowrl_tasks
+from envs import digits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, 
     initial = (
         flowrl_tasks.build_toy(args)[1]
         if module is flowrl
-        else flow_grpo.DigitsTask(args, torch.device("cpu")).policy
+        else digits.DigitsTask(args, torch.device("cpu")).policy
     )
     moved = distance(one, [p.detach() for p in initial.parameters() if p.requires_grad])
     assert moved > 1e-2, "training did not change the parameters; the comparison would be empty"

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import common
 import flow_grpo
+from envs import sd3
 from tiny_sd3 import save_tiny_sd3
 
 
@@ -198,7 +199,7 @@ def test_sd3_preset_path_with_tiny_components_and_lora_round_trip(tmp_path, tiny
 def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
-    task = flow_grpo.SD3Task(sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4"), torch.device("cpu"))
+    task = sd3.SD3Task(sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4"), torch.device("cpu"))
     base = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0]).transformer
     cond = task.encode(["a red cat"])
     x, sigma = torch.randn(1, 4, 16, 16), torch.tensor(0.5)
@@ -220,7 +221,7 @@ def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
 def test_ode_rollout_equals_the_diffusers_pipeline(tmp_path, tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
-    task = flow_grpo.SD3Task(
+    task = sd3.SD3Task(
         sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4", "--guidance", "4.5"), torch.device("cpu"))
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0])
     noise = torch.randn(2, *task.latent_shape, generator=torch.Generator().manual_seed(0))
@@ -239,7 +240,7 @@ def test_evaluation_runs_in_chunks_and_needs_a_held_out_file(tmp_path, tiny_sd3)
     _, _, prompts = tiny_sd3
     # 9 images, chunks of 2
     args = sd3_args(tmp_path, tiny_sd3, "--eval-batch", "2", "--eval-per-prompt", "3")
-    task = flow_grpo.SD3Task(args, torch.device("cpu"))
+    task = sd3.SD3Task(args, torch.device("cpu"))
     accelerator, _ = common.setup_accelerator("cpu")
     seen = []
     reward = task.reward
@@ -267,7 +268,7 @@ def tiny_full_size_transformer():
     net.add_adapter(
         LoraConfig(
             r=4, lora_alpha=8, init_lora_weights="gaussian",
-            target_modules=flow_grpo.SD3_LORA_TARGETS)
+            target_modules=sd3.SD3_LORA_TARGETS)
     )
     for name, p in net.named_parameters():
         if "lora_B" in name:
