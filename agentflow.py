@@ -313,37 +313,29 @@ def format_rollout(trajectory):
 
 
 def validate(args):
-    common.check_args(
-        [
-            (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-            (
-                args.lr > 0 and args.clip_eps > 0 and args.beta >= 0,
-                "--lr and --clip-eps must be > 0, --beta ≥ 0"),
-            (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
-            (
-                args.max_turns >= 1 and args.eval_max_turns >= 1,
-                "--max-turns and --eval-max-turns must be ≥ 1"),
-            (
-                args.temperature > 0,
-                "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
-            (
-                args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-                "--micro-batch-tokens and --gen-batch must be ≥ 1"),
-            (
-                bool(args.model) == bool(args.data),
-                "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy"),
-            (
-                not args.model or args.lora_rank > 0,
-                "--model needs --lora-rank > 0: the frozen modules are the adapter-off model"),
-        ]
-    )
+    """One line per bad flag (common.check_args), before any model is built."""
+    common.check_args([
+        (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+        (args.lr > 0 and args.clip_eps > 0 and args.beta >= 0,
+         "--lr and --clip-eps must be > 0, --beta ≥ 0"),
+        (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
+        (args.max_turns >= 1 and args.eval_max_turns >= 1,
+         "--max-turns and --eval-max-turns must be ≥ 1"),
+        (args.temperature > 0,
+         "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
+        (args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
+         "--micro-batch-tokens and --gen-batch must be ≥ 1"),
+        (bool(args.model) == bool(args.data),
+         "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy"),
+        (not args.model or args.lora_rank > 0,
+         "--model needs --lora-rank > 0: the frozen modules are the adapter-off model")])
 
 
-def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerator):
+def train_arm(args, system, train_planner, out_dir, accelerator):
     """Flow-GRPO on the planner (the Flow-GRPO objective): G rollouts per query → broadcast A_i →
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise; the planner's DDP wrapper averages the
-    gradients."""
+    gradients. `args.credit` says which turns are trained. Returns (sampler_dev, the Run)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -353,13 +345,13 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
     gen = torch.Generator().manual_seed(args.seed)
     mine = common.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
-    sampler_dev, start = 0.0, 1
-    state_objects = ({"planner": planner}, {"optimizer": optimizer}, {"rollouts": gen})
-    # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
-    if args.resume and checkpoint.exists():
-        done, extra = tracking.load_training_state(checkpoint, *state_objects)
-        sampler_dev, start = extra["sampler_dev"], done + 1
-        logger.restore(extra["records"])
+    # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
+    run = tracking.Run(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
+                       f"agentflow ({args.credit})", ({"planner": planner},
+                       {"optimizer": optimizer}, {"rollouts": gen}), args,
+                       accelerator.is_main_process)
+    start, extra = run.resume()
+    sampler_dev = extra.get("sampler_dev", 0.0)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths
@@ -378,7 +370,7 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
         row_adv = broadcast_advantages(rewards, turns, args.group_size, args.group_norm)  # (Σ T_i,)
         rows = list(zip((turn for t in trajectories for turn in t["turns"]), row_adv.tolist()))
         # the ablation: only each trajectory's last planner turn is trained
-        if credit == "final-turn":
+        if args.credit == "final-turn":
             rows = [rows[k] for k in (torch.tensor(turns).cumsum(0) - 1).tolist()]
         # 3. token-bounded micro-batches of turn-samples, π_ref's log-probs once
         prompts, completions = [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows]
@@ -409,30 +401,17 @@ def train_arm(args, system, train_planner, credit, logger, checkpoint, accelerat
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
-        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        # the whole step's; the rest is rank 0's
+        # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
         rewards = accelerator.gather(rewards.float().to(device)).cpu()
-        record = {
-            "reward": rewards.mean().item(),
-            "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-            "mean_turns": sum(turns) / len(turns), "turn_samples": len(rows), "loss": loss.item(),
-            "sampler_logprob_max_dev": sampler_dev, **stats}
-        if (
-            system.test
-            and (step % args.eval_every == 0 or step == args.steps)
-            and accelerator.is_main_process
-        ):
+        record = {"reward": rewards.mean().item(), "loss": loss.item(), "turn_samples": len(rows),
+                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
+                  "mean_turns": sum(turns) / len(turns), "sampler_logprob_max_dev": sampler_dev,
+                  **stats}
+        due = step % args.eval_every == 0 or step == args.steps
+        if system.test and due and accelerator.is_main_process:
             record |= {f"eval_{k}": v for k, v in evaluate(system, system.test, args)[0].items()}
-        logger.log(step, **record)
-        if (
-            args.save_every
-            and (step % args.save_every == 0 or step == args.steps)
-            and accelerator.is_main_process
-        ):
-            tracking.save_training_state(
-                checkpoint, step, *state_objects,
-                extra={"sampler_dev": sampler_dev, "records": logger.records})
-    return sampler_dev
+        run.log(step, record, {"sampler_dev": sampler_dev})
+    return sampler_dev, run
 
 
 def train(args):
@@ -448,40 +427,23 @@ def train(args):
         warm_start(system, system.train[: args.warm_start_demos], args)
     train_planner = accelerator.prepare(system.planner)  # DDP wrapper (N processes) for the loss
     out_dir = Path(args.out_dir)
-    config = dataclasses.asdict(args) | {"preset": args.preset}
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
     test = system.test if accelerator.is_main_process else []  # only rank 0 evaluates and writes
     before, before_rollouts = evaluate(system, test, args) if test else ({}, [])
-
-    logger = tracking.RunLogger(
-        out_dir, config, args.steps, f"agentflow ({args.credit})", quiet=args.quiet,
-        main_process=accelerator.is_main_process)
-    sampler_dev = train_arm(
-        args, system, train_planner, args.credit, logger, out_dir / "checkpoint.safetensors",
-        accelerator)
+    sampler_dev, run = train_arm(args, system, train_planner, out_dir, accelerator)
     after, after_rollouts = evaluate(system, test, args) if test else ({}, [])
-    summary = (
-        {f"{k}_before": v for k, v in before.items()}
-        | {f"{k}_after": v for k, v in after.items()}
-        | {
-            "accuracy_before": before.get("accuracy"),
-            "accuracy_after": after.get("accuracy"),
-            "mean_turns": after.get("mean_turns"),
-            "tool_error_rate": after.get("tool_error_rate"),
-            "credit": args.credit,
-            "sampler_logprob_max_dev": sampler_dev,
-            # the gate on the start: the warm-started planner's sampled success in step 1
-            "start_reward": logger.records[0]["reward"] if logger.records else None,
-        }
-    )
-    if test:  # the row of `make demo`'s table
+    summary = {f"{k}_before": v for k, v in before.items()} | {
+        f"{k}_after": v for k, v in after.items()} | {
+        "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
+        "mean_turns": after.get("mean_turns"), "tool_error_rate": after.get("tool_error_rate"),
+        "credit": args.credit, "sampler_logprob_max_dev": sampler_dev,
+        # the gate on the start: the warm-started planner's sampled success in step 1
+        "start_reward": run.records[0]["reward"] if run.records else None}
+    if test:  # the row of `make demo`'s table, and one rollout before and after
         summary["claim"] = {"text": "AgentFlow planner: held-out accuracy goes up",
                             "before": before["accuracy"], "after": after["accuracy"]}
-        shown = "\n".join(
-            [
-                "before training:", format_rollout(before_rollouts[0]), "after training:",
-                format_rollout(after_rollouts[0])]
-        )
+        shown = "\n".join(["before training:", format_rollout(before_rollouts[0]),
+                           "after training:", format_rollout(after_rollouts[0])])
         (out_dir / "rollouts.txt").write_text(shown + "\n")
         if not args.quiet:
             print(shown)
@@ -492,28 +454,18 @@ def train(args):
         other = "final-turn" if args.credit == "broadcast" else "broadcast"
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
-        ablation_logger = tracking.RunLogger(
-            out_dir / other, config | {"credit": other}, args.steps, f"agentflow ({other})",
-            quiet=True, main_process=accelerator.is_main_process)
-        train_arm(
-            dataclasses.replace(args, credit=other), system, train_planner, other, ablation_logger,
-            out_dir / other / "checkpoint.safetensors", accelerator)
+        ablation_args = dataclasses.replace(args, credit=other, quiet=True)
+        ablation_args.preset = args.preset
+        _, ablation = train_arm(ablation_args, system, train_planner, out_dir / other, accelerator)
         if accelerator.is_main_process:
             ablated = evaluate(system, test, args)[0]
-            ablation_logger.finish({f"{k}_after": v for k, v in ablated.items()})
+            ablation.finish({f"{k}_after": v for k, v in ablated.items()})
             summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
-            agent_toy.plot_accuracy_comparison(
-                before["accuracy"], logger.records, ablation_logger.records, args.credit, other,
-                out_dir / "credit.png")
-    return logger.finish(
-        summary,
-        [
-            ("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
-            (
-                "turns.png", ["mean_turns", "eval_mean_turns"],
-                "agentflow: planner turns per rollout"),
-        ],
-    )
+            agent_toy.plot_accuracy_comparison(before["accuracy"], run.records, ablation.records,
+                                               args.credit, other, out_dir / "credit.png")
+    return run.finish(summary, [
+        ("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
+        ("turns.png", ["mean_turns", "eval_mean_turns"], "agentflow: planner turns per rollout")])
 
 
 if __name__ == "__main__":
