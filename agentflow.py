@@ -56,7 +56,7 @@ import torch
 
 import common
 from envs import agent_tools, agent_toy
-from utils import sweep, tracking
+from utils import cli, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -64,58 +64,59 @@ from utils import sweep, tracking
 
 @dataclasses.dataclass
 class Args:
-    model: str = common.arg("", "planner: HF model id or path ('' = tiny toy LM)")
-    data: str = common.arg("", "JSONL of {question, answer} ('' = toy task)")
-    eval_data: str = common.arg("", "held-out JSONL of {question, answer}")
-    corpus: str = common.arg("", "JSONL of {text} for the retrieval tool (full)")
-    steps: int = common.arg(60, "rollout batches")
-    queries_per_step: int = common.arg(8, "B queries per batch (paper: 32)")
-    group_size: int = common.arg(8, "G rollouts per query (paper: 8)")
-    inner_steps: int = common.arg(2, "optimiser steps per batch")
-    max_turns: int = common.arg(3, "planner turns per rollout in training (paper: 3)")
-    eval_max_turns: int = common.arg(10, "planner turns at evaluation (paper: 10)")
-    max_new_tokens: int = common.arg(4, "planner output cap per turn")
-    temperature: float = common.arg(1.0, "rollout temperature (paper: 0.7); eval is greedy")
-    clip_eps: float = common.arg(0.2, "ε_low of the ratio clip (paper: 0.2)")
-    clip_eps_high: float = common.arg(0.3, "ε_high (paper: 0.3)")
-    beta: float = common.arg(0.001, "β of the k3 KL to the reference (paper: 0.001)")
-    lr: float = common.arg(1e-3, "planner learning rate (paper: 1e-6)")
-    credit: str = common.arg(
+    preset: str = cli.arg("toy", "the preset these values start from (`--preset NAME` on the CLI)")
+    model: str = cli.arg("", "planner: HF model id or path ('' = tiny toy LM)")
+    data: str = cli.arg("", "JSONL of {question, answer} ('' = toy task)")
+    eval_data: str = cli.arg("", "held-out JSONL of {question, answer}")
+    corpus: str = cli.arg("", "JSONL of {text} for the retrieval tool (full)")
+    steps: int = cli.arg(60, "rollout batches")
+    queries_per_step: int = cli.arg(8, "B queries per batch (paper: 32)")
+    group_size: int = cli.arg(8, "G rollouts per query (paper: 8)")
+    inner_steps: int = cli.arg(2, "optimiser steps per batch")
+    max_turns: int = cli.arg(3, "planner turns per rollout in training (paper: 3)")
+    eval_max_turns: int = cli.arg(10, "planner turns at evaluation (paper: 10)")
+    max_new_tokens: int = cli.arg(4, "planner output cap per turn")
+    temperature: float = cli.arg(1.0, "rollout temperature (paper: 0.7); eval is greedy")
+    clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (paper: 0.2)")
+    clip_eps_high: float = cli.arg(0.3, "ε_high (paper: 0.3)")
+    beta: float = cli.arg(0.001, "β of the k3 KL to the reference (paper: 0.001)")
+    lr: float = cli.arg(1e-3, "planner learning rate (paper: 1e-6)")
+    credit: str = cli.arg(
         "broadcast",
         "broadcast: every turn carries A_i (Flow-GRPO); final-turn: only the last turn is trained",
         ["broadcast", "final-turn"])
-    group_norm: str = common.arg(
+    group_norm: str = cli.arg(
         "trajectory",
         "trajectory: normalise over the G rewards (paper); "
         "turn-rows: over all turn rows (official code)",
         ["trajectory", "turn-rows"],
     )
-    ablation: bool = common.arg(True, "also train --credit final-turn from the same start")
-    warm_start_demos: int = common.arg(200, "toy: demonstrations in the planner's warm start")
-    warm_start_steps: int = common.arg(400, "toy: supervised steps of the warm start")
-    careless: float = common.arg(
+    ablation: bool = cli.arg(True, "also train --credit final-turn from the same start")
+    warm_start_demos: int = cli.arg(200, "toy: demonstrations in the planner's warm start")
+    warm_start_steps: int = cli.arg(400, "toy: supervised steps of the warm start")
+    careless: float = cli.arg(
         0.7, "toy: share of demonstrations whose second lookup repeats the first attribute")
-    lora_rank: int = common.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
-    micro_batch_tokens: int = common.arg(
+    lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
+    micro_batch_tokens: int = cli.arg(
         4096,
         "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
-    gen_batch: int = common.arg(256, "planner prompts per `generate` call")
-    gradient_checkpointing: bool = common.arg(
+    gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
+    gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
-    tool_timeout: float = common.arg(10.0, "Python tool timeout in seconds")
-    eval_every: int = common.arg(20, "steps between held-out evaluations")
-    seed: int = common.arg(0, "random seed")
-    seeds: str = common.arg("", "seed sweep, e.g. 0-4: both credit arms per seed, one table")
-    out_dir: str = common.arg("runs/agentflow", "output folder")
-    device: str = common.arg(
+    tool_timeout: float = cli.arg(10.0, "Python tool timeout in seconds")
+    eval_every: int = cli.arg(20, "steps between held-out evaluations")
+    seed: int = cli.arg(0, "random seed")
+    seeds: str = cli.arg("", "seed sweep, e.g. 0-4: both credit arms per seed, one table")
+    out_dir: str = cli.arg("runs/agentflow", "output folder")
+    device: str = cli.arg(
         "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
         ["auto", "cpu"])
-    quiet: bool = common.arg(False, "no per-step lines or progress bar")
-    report_to: str = common.arg(
+    quiet: bool = cli.arg(False, "no per-step lines or progress bar")
+    report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
     )
-    save_every: int = common.arg(20, "steps between checkpoints (0 = never)")
-    resume: bool = common.arg(False, "continue each arm from its checkpoint.safetensors")
+    save_every: int = cli.arg(20, "steps between checkpoints (0 = never)")
+    resume: bool = cli.arg(False, "continue each arm from its checkpoint.safetensors")
 
 
 # Paper setup: G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
@@ -313,8 +314,8 @@ def format_rollout(trajectory):
 
 
 def validate(args):
-    """One line per bad flag (common.check_args), before any model is built."""
-    common.check_args([
+    """One line per bad flag (cli.check_args), before any model is built."""
+    cli.check_args([
         (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
         (args.lr > 0 and args.clip_eps > 0 and args.beta >= 0,
          "--lr and --clip-eps must be > 0, --beta ≥ 0"),
@@ -346,7 +347,7 @@ def train_arm(args, system, train_planner, out_dir, accelerator):
     mine = common.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
-    run = tracking.Run(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
+    run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
                        f"agentflow ({args.credit})", ({"planner": planner},
                        {"optimizer": optimizer}, {"rollouts": gen}), args,
                        accelerator.is_main_process)
@@ -455,7 +456,6 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        ablation_args.preset = args.preset
         _, ablation = train_arm(ablation_args, system, train_planner, out_dir / other, accelerator)
         if accelerator.is_main_process:
             ablated = evaluate(system, test, args)[0]
@@ -469,7 +469,7 @@ def train(args):
 
 
 if __name__ == "__main__":
-    args = common.parse_args(Args, PRESETS)
+    args = cli.parse_args(Args, PRESETS)
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(

@@ -73,7 +73,7 @@ from accelerate.utils import gather_object
 
 import common
 from envs import digits, sd3
-from utils import sweep, tracking
+from utils import cli, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -81,68 +81,69 @@ from utils import sweep, tracking
 
 @dataclasses.dataclass
 class Args:
-    model: str = common.arg("", "diffusers SD3 id or path ('' = toy digits MLP)")
-    prompts: str = common.arg("", "training prompts: text file or JSONL {prompt}")
-    eval_prompts: str = common.arg(
+    preset: str = cli.arg("toy", "the preset these values start from (`--preset NAME` on the CLI)")
+    model: str = cli.arg("", "diffusers SD3 id or path ('' = toy digits MLP)")
+    prompts: str = cli.arg("", "training prompts: text file or JSONL {prompt}")
+    eval_prompts: str = cli.arg(
         "", "evaluation prompts (a separate file; 'train' evaluates on the training prompts)")
-    eval_max_prompts: int = common.arg(0, "cap on evaluation prompts (0 = all)")
-    eval_batch: int = common.arg(64, "images sampled and scored per chunk")
-    reward: str = common.arg(
+    eval_max_prompts: int = cli.arg(0, "cap on evaluation prompts (0 = all)")
+    eval_batch: int = cli.arg(64, "images sampled and scored per chunk")
+    reward: str = cli.arg(
         "digits",
         "digits (toy classifier), clip, pickscore, or module:function taking (images, prompts)")
-    reward_model: str = common.arg("", "override the clip/pickscore model path")
-    epochs: int = common.arg(150, "rollout batches")
-    prompts_per_epoch: int = common.arg(5, "B distinct prompts per batch")
-    group_size: int = common.arg(16, "G images per prompt (paper: 24)")
-    train_steps: int = common.arg(10, "T denoising steps of training rollouts")
-    eval_steps: int = common.arg(40, "ODE steps for evaluation")
-    timestep_fraction: float = common.arg(0.99, "share of the T steps trained")
-    noise_level: float = common.arg(0.7, "a in σ_t = a·√(t/(1−t))")
-    guidance: float = common.arg(1.0, "CFG scale w (1 = no CFG, one pass)")
-    shift: float = common.arg(1.0, "scheduler shift (SD3: 3.0)")
-    clip_range: float = common.arg(1e-3, "ε of the per-step ratio clip (SD3: 1e-4)")
-    adv_clip: float = common.arg(5.0, "advantages clipped to ±adv_clip")
-    adv_std: str = common.arg(
+    reward_model: str = cli.arg("", "override the clip/pickscore model path")
+    epochs: int = cli.arg(150, "rollout batches")
+    prompts_per_epoch: int = cli.arg(5, "B distinct prompts per batch")
+    group_size: int = cli.arg(16, "G images per prompt (paper: 24)")
+    train_steps: int = cli.arg(10, "T denoising steps of training rollouts")
+    eval_steps: int = cli.arg(40, "ODE steps for evaluation")
+    timestep_fraction: float = cli.arg(0.99, "share of the T steps trained")
+    noise_level: float = cli.arg(0.7, "a in σ_t = a·√(t/(1−t))")
+    guidance: float = cli.arg(1.0, "CFG scale w (1 = no CFG, one pass)")
+    shift: float = cli.arg(1.0, "scheduler shift (SD3: 3.0)")
+    clip_range: float = cli.arg(1e-3, "ε of the per-step ratio clip (SD3: 1e-4)")
+    adv_clip: float = cli.arg(5.0, "advantages clipped to ±adv_clip")
+    adv_std: str = cli.arg(
         "group",
         "divide advantages by each group's std or the whole batch's (official SD3: global)",
         ["group", "global"])
-    drop_zero_advantage: bool = common.arg(
+    drop_zero_advantage: bool = cli.arg(
         False, "leave samples with A = 0 out of the update (official)")
-    beta: float = common.arg(0.05, "β of the KL to the reference")
-    lr: float = common.arg(1e-3, "AdamW learning rate")
-    ema: float = common.arg(
+    beta: float = cli.arg(0.05, "β of the KL to the reference")
+    lr: float = cli.arg(1e-3, "AdamW learning rate")
+    ema: float = cli.arg(
         0.0,
         "EMA decay of the trained weights used for evaluation and saving (0 = off; official 0.9)")
-    minibatches: int = common.arg(2, "optimiser steps per rollout batch")
-    micro_batch: int = common.arg(
+    minibatches: int = cli.arg(2, "optimiser steps per rollout batch")
+    micro_batch: int = cli.arg(
         0, "rows per forward in rollouts and training (gradient accumulated; 0 = whole minibatch)")
-    gradient_checkpointing: bool = common.arg(
+    gradient_checkpointing: bool = cli.arg(
         False, "recompute the transformer's activations in the backward pass (SD3)")
-    lora_rank: int = common.arg(0, "LoRA rank on the attention projections (SD3)")
-    resolution: int = common.arg(512, "image size in pixels (SD3)")
-    mixed_precision: str = common.arg(
+    lora_rank: int = cli.arg(0, "LoRA rank on the attention projections (SD3)")
+    resolution: int = cli.arg(512, "image size in pixels (SD3)")
+    mixed_precision: str = cli.arg(
         "fp32",
         "auto: bf16 on GPUs that have it, else fp32; fp16 uses a GradScaler. The SDE math is fp32",
         ["auto", "fp32", "fp16", "bf16"])
-    label_noise: float = common.arg(
+    label_noise: float = cli.arg(
         0.4,
         "toy: share of pretraining labels replaced at random (how badly the base follows prompts)")
-    cache_dir: str = common.arg(
+    cache_dir: str = cli.arg(
         "runs/flow_grpo_cache", "toy: where the base model and reward classifier are cached")
-    eval_per_prompt: int = common.arg(40, "evaluation samples per prompt")
-    eval_every: int = common.arg(10, "epochs between evaluations")
-    seed: int = common.arg(0, "random seed")
-    seeds: str = common.arg("", "seed sweep, e.g. 0-4: one run per seed, one table")
-    out_dir: str = common.arg("runs/flow_grpo", "output folder")
-    device: str = common.arg(
+    eval_per_prompt: int = cli.arg(40, "evaluation samples per prompt")
+    eval_every: int = cli.arg(10, "epochs between evaluations")
+    seed: int = cli.arg(0, "random seed")
+    seeds: str = cli.arg("", "seed sweep, e.g. 0-4: one run per seed, one table")
+    out_dir: str = cli.arg("runs/flow_grpo", "output folder")
+    device: str = cli.arg(
         "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
         ["auto", "cpu"])
-    quiet: bool = common.arg(False, "no per-step lines or progress bar")
-    report_to: str = common.arg(
+    quiet: bool = cli.arg(False, "no per-step lines or progress bar")
+    report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
     )
-    save_every: int = common.arg(50, "epochs between checkpoints (0 = never)")
-    resume: bool = common.arg(False, "continue from out_dir/checkpoint.safetensors")
+    save_every: int = cli.arg(50, "epochs between checkpoints (0 = never)")
+    resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
 
 
 # Official SD3.5-Medium recipe, one-GPU preset: 512 px, 10/40 steps, a = 0.7, CFG 4.5, shift 3, G 8
@@ -348,9 +349,9 @@ def swapped(params, ema):
 
 
 def validate(args):
-    """One line per bad flag (common.check_args), before any model is built."""
+    """One line per bad flag (cli.check_args), before any model is built."""
     full = bool(args.model)  # the sd3 preset
-    common.check_args([
+    cli.check_args([
         (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
         (args.noise_level > 0, "--noise-level must be > 0: the ODE (a = 0) has no log-prob"),
         (args.train_steps >= 2 and args.eval_steps >= 1,
@@ -374,7 +375,7 @@ def train(args):
     common.seed_everything(args.seed)
     accelerator, device = common.setup_accelerator(args.device)
     task = sd3.SD3Task(args, device) if args.model else digits.DigitsTask(args, device)
-    common.check_args([(args.prompts_per_epoch <= len(task.prompts), f"--prompts-per-epoch "
+    cli.check_args([(args.prompts_per_epoch <= len(task.prompts), f"--prompts-per-epoch "
                         f"{args.prompts_per_epoch} > {len(task.prompts)} prompts available")])
     params = [p for p in task.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # official wd, clip 1.0
@@ -391,7 +392,7 @@ def train(args):
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
     out_dir, toy = Path(args.out_dir), not args.model
     gen = torch.Generator().manual_seed(args.seed)
-    run = tracking.Run(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.epochs,
+    run = tracking.Run(out_dir, dataclasses.asdict(args), args.epochs,
                        "flow_grpo", ({"policy": task.policy}, {"optimizer": optimizer},
                                      {"rollouts": gen}), args, accelerator.is_main_process)
     velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond), plain and DDP
@@ -491,7 +492,7 @@ def train(args):
 
 
 if __name__ == "__main__":
-    args = common.parse_args(Args, PRESETS)
+    args = cli.parse_args(Args, PRESETS)
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(train, args, [("", {})], digits.sweep_row, digits.claim_holds, sweep_dir)

@@ -67,7 +67,7 @@ import torch.nn as nn
 
 import common
 from envs import flowrl_tasks
-from utils import sweep, tracking
+from utils import cli, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -75,58 +75,59 @@ from utils import sweep, tracking
 
 @dataclasses.dataclass
 class Args:
-    algo: str = common.arg(
+    preset: str = cli.arg("toy", "the preset these values start from (`--preset NAME` on the CLI)")
+    algo: str = cli.arg(
         "flowrl",
         "flowrl: trajectory balance; grpo: the reward-maximising baseline; grpo-kl: GRPO on "
         "r − log(π/π_ref)/(β·|y|), the KL-regularised control with FlowRL's target",
         ["flowrl", "grpo", "grpo-kl"],
     )
-    task: str = common.arg(
+    task: str = cli.arg(
         "valleys",
         "valleys: the exact toy; math: --data JSONL (full preset); addition, numbers: tasks a "
         "real chat model already sometimes solves (the smollm2 presets)",
         ["valleys", "math", "addition", "numbers"],
     )
-    model: str = common.arg("", "HF model id, a path, or smollm2 (bundled); '' = the toy's tiny LM")
-    data: str = common.arg("", "JSONL of {prompt|problem, answer} for --task math")
-    eval_data: str = common.arg("", "JSONL for Avg@k evaluation (full preset)")
-    steps: int = common.arg(300, "rollout batches")
-    prompts_per_step: int = common.arg(4, "B, prompts per rollout batch")
-    group_size: int = common.arg(64, "G, samples per prompt (paper: 8)")
-    inner_steps: int = common.arg(8, "optimiser steps per rollout batch")
-    max_new_tokens: int = common.arg(3, "|y| cap")
-    beta: float = common.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)")
-    reward_norm: str = common.arg(
+    model: str = cli.arg("", "HF model id, a path, or smollm2 (bundled); '' = the toy's tiny LM")
+    data: str = cli.arg("", "JSONL of {prompt|problem, answer} for --task math")
+    eval_data: str = cli.arg("", "JSONL for Avg@k evaluation (full preset)")
+    steps: int = cli.arg(300, "rollout batches")
+    prompts_per_step: int = cli.arg(4, "B, prompts per rollout batch")
+    group_size: int = cli.arg(64, "G, samples per prompt (paper: 8)")
+    inner_steps: int = cli.arg(8, "optimiser steps per rollout batch")
+    max_new_tokens: int = cli.arg(3, "|y| cap")
+    beta: float = cli.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)")
+    reward_norm: str = cli.arg(
         "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"])
-    clip_eps: float = common.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
-    lr: float = common.arg(1e-3, "policy learning rate (paper: 1e-6)")
-    logz_lr: float = common.arg(1e-2, "log Z head learning rate")
-    detach_logz: bool = common.arg(False, "stop log Z's gradient into the backbone")
-    temperature: float = common.arg(1.0, "rollout temperature (paper: 1.0)")
-    eval_temperature: float = common.arg(0.6, "Avg@k temperature (paper: 0.6)")
-    eval_k: int = common.arg(4, "k of Avg@k (paper: 16)")
-    eval_every: int = common.arg(25, "steps between evaluations")
-    spread_samples: int = common.arg(
+    clip_eps: float = cli.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
+    lr: float = cli.arg(1e-3, "policy learning rate (paper: 1e-6)")
+    logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
+    detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
+    temperature: float = cli.arg(1.0, "rollout temperature (paper: 1.0)")
+    eval_temperature: float = cli.arg(0.6, "Avg@k temperature (paper: 0.6)")
+    eval_k: int = cli.arg(4, "k of Avg@k (paper: 16)")
+    eval_every: int = cli.arg(25, "steps between evaluations")
+    spread_samples: int = cli.arg(
         64, "numbers task: samples per question for the answer spread at the start and the end")
-    lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
-    micro_batch_tokens: int = common.arg(
+    lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
+    micro_batch_tokens: int = cli.arg(
         4096,
         "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
-    gen_batch: int = common.arg(64, "prompts per `generate` call")
-    gradient_checkpointing: bool = common.arg(
+    gen_batch: int = cli.arg(64, "prompts per `generate` call")
+    gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
-    seed: int = common.arg(0, "random seed")
-    seeds: str = common.arg("", "seed sweep, e.g. 0-4: all three --algo arms per seed, one table")
-    out_dir: str = common.arg("", "output folder (default runs/flowrl[-grpo|-grpo-kl])")
-    device: str = common.arg(
+    seed: int = cli.arg(0, "random seed")
+    seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all three --algo arms per seed, one table")
+    out_dir: str = cli.arg("", "output folder (default runs/flowrl[-grpo|-grpo-kl])")
+    device: str = cli.arg(
         "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
         ["auto", "cpu"])
-    quiet: bool = common.arg(False, "no per-step lines or progress bar")
-    report_to: str = common.arg(
+    quiet: bool = cli.arg(False, "no per-step lines or progress bar")
+    report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
     )
-    save_every: int = common.arg(50, "steps between checkpoints (0 = never)")
-    resume: bool = common.arg(False, "continue from out_dir/checkpoint.safetensors")
+    save_every: int = cli.arg(50, "steps between checkpoints (0 = never)")
+    resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
 
 
 # Paper recipe: G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
@@ -247,7 +248,7 @@ def scalars(metrics, all_keys=False):
 
 
 def validate(args):
-    common.check_args(
+    cli.check_args(
         [
             (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
             (args.lr > 0, f"--lr must be > 0 (got {args.lr})"),
@@ -294,7 +295,7 @@ def train(args):
     mine = common.local_groups(args.prompts_per_step, accelerator)
     name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
     out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
-    run = tracking.Run(out_dir, dataclasses.asdict(args) | {"preset": args.preset}, args.steps,
+    run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
                        args.algo, ({"model": model, "head": head}, {"optimizer": optimizer},
                                    {"rollouts": gen}), args, accelerator.is_main_process)
     main = accelerator.is_main_process  # only rank 0 evaluates and logs
@@ -394,7 +395,7 @@ def train(args):
 
 
 if __name__ == "__main__":
-    args = common.parse_args(Args, PRESETS)
+    args = cli.parse_args(Args, PRESETS)
     tasks = flowrl_tasks
     if args.seeds and args.task == "numbers":  # FlowRL vs GRPO on SmolLM2: the answers' spread
         sweep_dir = args.out_dir or "runs/flowrl-numbers-sweep"

@@ -67,7 +67,7 @@ from accelerate.utils import gather_object
 
 import common
 from envs import bfcl, bfcl_toy
-from utils import models, sweep, tracking
+from utils import cli, models, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -75,54 +75,55 @@ from utils import models, sweep, tracking
 
 @dataclasses.dataclass
 class Args:
-    model: str = common.arg("", "HF model id or path ('' = tiny toy LM)")
-    arms: str = common.arg(
+    preset: str = cli.arg("toy", "the preset these values start from (`--preset NAME` on the CLI)")
+    model: str = cli.arg("", "HF model id or path ('' = tiny toy LM)")
+    arms: str = cli.arg(
         "sft+grpo,sft+rc-grpo,rctp+grpo,rctp+rc-grpo",
         "comma-separated arms: {sft|rctp}+{grpo|rc-grpo} (Table 1)")
-    steps: int = common.arg(40, "GRPO steps per arm")
-    tasks_per_step: int = common.arg(8, "tasks per GRPO batch")
-    group_size: int = common.arg(5, "G rollouts per task (paper: 5)")
-    p_high: float = common.arg(0.5, "p = P(<|high_reward|>) per rollout (paper: 0.5)")
-    lr: float = common.arg(1e-3, "GRPO learning rate (paper: 1e-6)")
-    beta: float = common.arg(0.1, "β of the k3 KL to the reference (paper: 0.1)")
-    clip_eps: float = common.arg(0.2, "ratio clip ε (paper: 0.2)")
-    sft_lr: float = common.arg(3e-3, "stage-1 learning rate (paper: 1e-5)")
-    sft_epochs: int = common.arg(2, "SFT baseline epochs (paper: 2)")
-    rctp_epochs: int = common.arg(5, "RCTP-FT epochs (paper: 5)")
-    sft_batch: int = common.arg(16, "stage-1 batch (paper: 16)")
-    failure_rollouts: int = common.arg(4, "base-model rollouts per train task to find failures")
-    max_steps: int = common.arg(6, "model steps per user turn (BFCL: 20)")
-    max_new_tokens: int = common.arg(10, "tokens per model step")
-    temperature: float = common.arg(1.0, "rollout temperature; evaluation is greedy")
-    max_tasks: int = common.arg(
+    steps: int = cli.arg(40, "GRPO steps per arm")
+    tasks_per_step: int = cli.arg(8, "tasks per GRPO batch")
+    group_size: int = cli.arg(5, "G rollouts per task (paper: 5)")
+    p_high: float = cli.arg(0.5, "p = P(<|high_reward|>) per rollout (paper: 0.5)")
+    lr: float = cli.arg(1e-3, "GRPO learning rate (paper: 1e-6)")
+    beta: float = cli.arg(0.1, "β of the k3 KL to the reference (paper: 0.1)")
+    clip_eps: float = cli.arg(0.2, "ratio clip ε (paper: 0.2)")
+    sft_lr: float = cli.arg(3e-3, "stage-1 learning rate (paper: 1e-5)")
+    sft_epochs: int = cli.arg(2, "SFT baseline epochs (paper: 2)")
+    rctp_epochs: int = cli.arg(5, "RCTP-FT epochs (paper: 5)")
+    sft_batch: int = cli.arg(16, "stage-1 batch (paper: 16)")
+    failure_rollouts: int = cli.arg(4, "base-model rollouts per train task to find failures")
+    max_steps: int = cli.arg(6, "model steps per user turn (BFCL: 20)")
+    max_new_tokens: int = cli.arg(10, "tokens per model step")
+    temperature: float = cli.arg(1.0, "rollout temperature; evaluation is greedy")
+    max_tasks: int = cli.arg(
         0, "use N train and N test tasks, taken round-robin over the categories (0 = all)")
-    tasks: str = common.arg("", "comma-separated entry ids to use (train and test)")
-    max_turns: int = common.arg(
+    tasks: str = cli.arg("", "comma-separated entry ids to use (train and test)")
+    max_turns: int = cli.arg(
         0, "keep only the first N user turns of each entry (0 = all; a laptop knob)")
-    docs: str = common.arg(
+    docs: str = cli.arg(
         "all", "all: every function of the involved classes (BFCL); needed: only those the ground "
         "truth calls (shorter prompts, a laptop knob)", ["all", "needed"])
-    toy_tasks: int = common.arg(240, "toy: training tasks")
-    toy_test_tasks: int = common.arg(200, "toy: held-out tasks")
-    rare_share: float = common.arg(0.15, "toy: share of tasks whose file is not in `docs`")
-    lora_rank: int = common.arg(0, "LoRA rank via peft (0 = full fine-tune)")
-    micro_batch_tokens: int = common.arg(
+    toy_tasks: int = cli.arg(240, "toy: training tasks")
+    toy_test_tasks: int = cli.arg(200, "toy: held-out tasks")
+    rare_share: float = cli.arg(0.15, "toy: share of tasks whose file is not in `docs`")
+    lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
+    micro_batch_tokens: int = cli.arg(
         4096, "padded tokens per forward pass; gradients accumulate over micro-batches")
-    gen_batch: int = common.arg(64, "rollouts per `generate` call")
-    gradient_checkpointing: bool = common.arg(
+    gen_batch: int = cli.arg(64, "rollouts per `generate` call")
+    gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (bfcl preset: on)")
-    seed: int = common.arg(0, "random seed")
-    seeds: str = common.arg("", "seed sweep, e.g. 0-4: all arms per seed, one table")
-    out_dir: str = common.arg("runs/rc_grpo", "output folder")
-    device: str = common.arg(
+    seed: int = cli.arg(0, "random seed")
+    seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all arms per seed, one table")
+    out_dir: str = cli.arg("runs/rc_grpo", "output folder")
+    device: str = cli.arg(
         "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
         ["auto", "cpu"])
-    quiet: bool = common.arg(False, "no per-step lines or progress bar")
-    report_to: str = common.arg(
+    quiet: bool = cli.arg(False, "no per-step lines or progress bar")
+    report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
         ["none", "tensorboard"])
-    save_every: int = common.arg(10, "GRPO steps between checkpoints (0 = never)")
-    resume: bool = common.arg(
+    save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
+    resume: bool = cli.arg(
         False, "continue each GRPO arm from its checkpoint (stage 1 is recomputed: deterministic)")
 
 
@@ -258,10 +259,10 @@ def format_calls(world, entry, token, args):
 
 
 def validate(args):
-    """The arms to train, or one line per bad flag (common.check_args)."""
+    """The arms to train, or one line per bad flag (cli.check_args)."""
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     table_1 = ("sft+grpo", "sft+rc-grpo", "rctp+grpo", "rctp+rc-grpo")
-    common.check_args([
+    cli.check_args([
         (arms and all(a in table_1 for a in arms),
          f"--arms must list sft+grpo, sft+rc-grpo, rctp+grpo or rctp+rc-grpo (got {args.arms!r})"),
         (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
@@ -385,10 +386,10 @@ def train(args):
         world, base_data = bfcl_toy.build_toy(args, device, REWARD_TOKENS)
         supervised_finetune(world, base_data, 8, 3e-3, 32, args.seed, args.micro_batch_tokens)
     world.train, world.test = (bfcl.select_entries(e, args) for e in (world.train, world.test))
-    common.check_args(
+    cli.check_args(
         [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
     out_dir = Path(args.out_dir)
-    config = dataclasses.asdict(args) | {"preset": args.preset}
+    config = dataclasses.asdict(args)
     # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its
     # groups.
     states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
@@ -474,7 +475,7 @@ def train(args):
 
 
 if __name__ == "__main__":
-    args = common.parse_args(Args, PRESETS)
+    args = cli.parse_args(Args, PRESETS)
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flowrl  # noqa: E402
-from utils import models  # noqa: E402
 from envs import flowrl_tasks  # noqa: E402
+from utils import models  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 GROUP, LR = 8, 1e-5

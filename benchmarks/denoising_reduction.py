@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
 import flow_grpo  # noqa: E402
+from utils import cli  # noqa: E402
 
 
 def timed(fn, log, keep=lambda *args: True):
@@ -40,7 +40,7 @@ def epoch_costs(train_steps, epochs=20):
     flow_grpo.score = timed(flow_grpo.score, rewards)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = common.parse_args(
+            args = cli.parse_args(
                 flow_grpo.Args,
                 flow_grpo.PRESETS,
                 [
@@ -69,7 +69,7 @@ def final_quality(train_steps, seed):
     with `train_steps` SDE steps, evaluated with the same 40-step ODE; its final accuracy and
     reward."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = common.parse_args(
+        args = cli.parse_args(
             flow_grpo.Args,
             flow_grpo.PRESETS,
             [

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
-from utils import models  # noqa: E402
 from envs import sd3  # noqa: E402
+from utils import models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)

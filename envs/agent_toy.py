@@ -9,9 +9,7 @@ turn matters.
 import dataclasses
 import random
 
-
-from utils import models
-from utils import tracking
+from utils import models, tracking
 
 
 ATTRIBUTES = ["population", "area", "height", "age"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+from utils import cli  # noqa: E402
 
 optimizers = []
 
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     torch.optim.AdamW = RecordingAdamW
     script, prefix = sys.argv[1], sys.argv[2]
     module = importlib.import_module(script)
-    module.train(common.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
+    module.train(cli.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
     params = [
         p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]
     ]

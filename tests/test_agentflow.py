@@ -9,13 +9,12 @@ import torch
 
 import agentflow
 import common
-from utils import models
-from envs import agent_tools
-from envs import agent_toy
+from envs import agent_tools, agent_toy
+from utils import cli, models
 
 
 def toy_args(tmp_path, *extra):
-    return common.parse_args(
+    return cli.parse_args(
         agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
 
 
@@ -72,7 +71,7 @@ def scripted(outputs):
 
 @pytest.fixture(scope="module")
 def toy_world():
-    args = common.parse_args(
+    args = cli.parse_args(
         agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
     world = agent_toy.build_toy(args, torch.device("cpu"))
     agentflow.warm_start(world, world.train[: args.warm_start_demos], args)
@@ -156,7 +155,7 @@ def tiny_planner(tmp_path):
 
 def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
     model = tiny_planner(tmp_path)
-    args = common.parse_args(
+    args = cli.parse_args(
         agentflow.Args,
         agentflow.PRESETS,
         [

@@ -11,6 +11,7 @@ import common
 import flow_grpo
 import flowrl
 import rc_grpo
+from utils import cli
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
 CLIP_FLAG = {
@@ -21,7 +22,7 @@ CLIP_FLAG = {
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_lists_every_flag(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--help"])
+        cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert all("--" + f.replace("_", "-") in out for f in SCRIPTS[name].Args.__dataclass_fields__)
@@ -32,7 +33,7 @@ def test_help_lists_every_flag(name, capsys):
     "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]])
 def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        common.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, argv)
+        cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, argv)
     assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
@@ -42,7 +43,7 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
     argv = {"group": ["--group-size", "1"], "lr": ["--lr", "-1"], "clip": [CLIP_FLAG[name], "0"]}[
         case
     ]
-    args = common.parse_args(
+    args = cli.parse_args(
         SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS[name].train(args)
@@ -51,7 +52,7 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
 
 
 def test_flow_grpo_refuses_to_train_on_the_ode(tmp_path):
-    args = common.parse_args(
+    args = cli.parse_args(
         flow_grpo.Args, flow_grpo.PRESETS,
         ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="ODE"):

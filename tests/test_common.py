@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from utils import models, sweep, tracking
+from utils import cli, models, sweep, tracking
 
 
 def test_group_advantages_hand_numbers():
@@ -222,14 +222,14 @@ def test_parse_args_presets_and_errors():
         lora: bool = False
 
     Args.__module__ = __name__
-    a = common.parse_args(
+    a = cli.parse_args(
         Args, {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
         ["--preset", "full", "--lr", "0.5"])
     assert (a.model, a.lr, a.lora, a.preset) == ("Qwen/Qwen2.5-0.5B", 0.5, False, "full")
     with pytest.raises(SystemExit):
-        common.parse_args(Args, {}, ["--no-such-flag"])
+        cli.parse_args(Args, {}, ["--no-such-flag"])
     with pytest.raises(SystemExit, match="lr must be <= 0.1"):
-        common.check_args([(a.lr <= 0.1, "lr must be <= 0.1"), (True, "unused")])
+        cli.check_args([(a.lr <= 0.1, "lr must be <= 0.1"), (True, "unused")])
 
 
 def test_load_causal_lm_offline_error_points_at_toy():
@@ -255,6 +255,7 @@ def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
         out_dir: str = ""
         quiet: bool = False
         algo: str = "a"
+        preset: str = "toy"
 
     calls = []
 
@@ -263,7 +264,6 @@ def test_seed_sweep_runs_every_arm_per_seed_and_counts_the_claim(tmp_path):
         return {"score": float(args.seed) + (0.5 if args.algo == "b" else 0.0)}
 
     args = Args()
-    args.preset = "toy"
     result = sweep.seed_sweep(
         train,
         args,

@@ -19,8 +19,8 @@ import common
 import ddp_driver
 import flow_grpo
 import flowrl
-from envs import flowrl_tasks
-from envs import digits
+from envs import digits, flowrl_tasks
+from utils import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def train_and_load(tmp_path, name, processes, flags):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.optim, "AdamW", ddp_driver.RecordingAdamW)
             module.train(
-                common.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
+                cli.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
         return [
             [
                 p.detach().clone()
@@ -81,7 +81,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, 
         "the ranks' parameters drifted apart"
     )
     module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
-    args = common.parse_args(module.Args, module.PRESETS, flags[1:])
+    args = cli.parse_args(module.Args, module.PRESETS, flags[1:])
     initial = (
         flowrl_tasks.build_toy(args)[1]
         if module is flowrl

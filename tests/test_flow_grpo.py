@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import common
 import flow_grpo
 from envs import sd3
+from utils import cli
 from tiny_sd3 import save_tiny_sd3
 
 
@@ -21,7 +22,7 @@ def cache_dir(flow_grpo_cache):
 
 
 def toy_args(tmp_path, cache_dir, *extra):
-    return common.parse_args(
+    return cli.parse_args(
         flow_grpo.Args, flow_grpo.PRESETS,
         ["--quiet", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), *extra])
 
@@ -164,7 +165,7 @@ def tiny_sd3(tmp_path_factory):
 
 def sd3_args(tmp_path, tiny, *extra):
     sd3, clip, prompts = tiny
-    return common.parse_args(
+    return cli.parse_args(
         flow_grpo.Args,
         flow_grpo.PRESETS,
         [

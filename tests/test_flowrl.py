@@ -9,12 +9,12 @@ import torch
 
 import common
 import flowrl
-from utils import models
 from envs import flowrl_tasks
+from utils import cli, models
 
 
 def toy_args(tmp_path, *extra):
-    return common.parse_args(
+    return cli.parse_args(
         flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
 
 
@@ -174,7 +174,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
         "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
     models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    args = common.parse_args(
+    args = cli.parse_args(
         flowrl.Args,
         flowrl.PRESETS,
         [
@@ -202,7 +202,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
         (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none")],
 )
 def test_bad_flags_get_one_clear_message(tmp_path, argv, message):
-    args = common.parse_args(
+    args = cli.parse_args(
         flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=message):
         flowrl.train(args)
@@ -221,7 +221,7 @@ def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
         (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2 is not a JSON object"),
     ]
     for model, data, message in cases:
-        args = common.parse_args(
+        args = cli.parse_args(
             flowrl.Args,
             flowrl.PRESETS,
             [
@@ -273,7 +273,7 @@ def test_answer_spread_counts_distinct_correct_answers_and_their_entropy(monkeyp
 
     monkeypatch.setattr(common, "sample_completions", fake_sample)
     task = flowrl_tasks.Task("numbers", ["p0", "p1"], [{2, 3, 5}, {5, 10}])
-    args = common.parse_args(flowrl.Args, flowrl.PRESETS, ["--spread-samples", "5"])
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--spread-samples", "5"])
     spread = flowrl_tasks.answer_spread(None, None, task, args)
     assert spread["spread_reward"] == pytest.approx((4 / 5 + 4 / 5) / 2)
     assert spread["distinct_correct"] == 3  # {2, 3} and {5}
@@ -340,3 +340,9 @@ def test_spread_sweep_row_and_claim():
     assert flowrl_tasks.spread_claim(row)
     assert not flowrl_tasks.spread_claim(row | {"entropy_flowrl": 0.5})
     assert not flowrl_tasks.spread_claim(row | {"reward_flowrl": 0.1})
+
+
+def test_train_takes_args_built_in_python(tmp_path):
+    summary = flowrl.train(flowrl.Args(steps=2, eval_every=2, quiet=True, out_dir=str(tmp_path)))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["preset"] == "toy" and summary["kl_policy_to_target"] > 0

@@ -11,9 +11,8 @@ import torch
 
 import common
 import rc_grpo
-from utils import models
-from envs import bfcl
-from envs import bfcl_toy
+from envs import bfcl, bfcl_toy
+from utils import cli, models
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +256,7 @@ def test_variance_bound_of_proposition_4_3_holds_in_simulation():
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):
     runs = []
     for name in ["a", "b"]:
-        args = common.parse_args(
+        args = cli.parse_args(
             rc_grpo.Args,
             rc_grpo.PRESETS,
             [
@@ -281,7 +280,7 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
 
 @pytest.mark.slow
 def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
-    args = common.parse_args(
+    args = cli.parse_args(
         rc_grpo.Args,
         rc_grpo.PRESETS,
         [
@@ -306,7 +305,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     )
     models.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    args = common.parse_args(
+    args = cli.parse_args(
         rc_grpo.Args,
         rc_grpo.PRESETS,
         [
@@ -335,7 +334,7 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
         (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load")],
 )
 def test_bad_input_gets_one_clear_message(tmp_path, extra, message):
-    args = common.parse_args(
+    args = cli.parse_args(
         rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
     with pytest.raises(SystemExit, match=message):
         rc_grpo.train(args)

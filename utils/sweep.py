@@ -43,7 +43,6 @@ def seed_sweep(train, args, arms, row, claim, out_dir):
             run_dir = out_dir / f"seed{seed}" / name if name else out_dir / f"seed{seed}"
             run_args = dataclasses.replace(
                 args, seed=seed, out_dir=str(run_dir), seeds="", quiet=True, **overrides)
-            run_args.preset = args.preset
             summaries[name] = train(run_args)
         rows.append({"seed": seed, **row(summaries)})
         rows[-1]["claim_holds"] = bool(claim(rows[-1]))
