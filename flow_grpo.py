@@ -88,9 +88,8 @@ class Args:
         "", "evaluation prompts (a separate file; 'train' evaluates on the training prompts)")
     eval_max_prompts: int = cli.arg(0, "cap on evaluation prompts (0 = all)")
     eval_batch: int = cli.arg(64, "images sampled and scored per chunk")
-    reward: str = cli.arg(
-        "digits",
-        "digits (toy classifier), clip, pickscore, or module:function taking (images, prompts)")
+    reward: str = cli.arg("digits", "digits (toy classifier), clip, pickscore, or module:function "
+                          "taking (images, prompts)")
     reward_model: str = cli.arg("", "override the clip/pickscore model path")
     epochs: int = cli.arg(150, "rollout batches")
     prompts_per_epoch: int = cli.arg(5, "B distinct prompts per batch")
@@ -103,17 +102,13 @@ class Args:
     shift: float = cli.arg(1.0, "scheduler shift (SD3: 3.0)")
     clip_range: float = cli.arg(1e-3, "ε of the per-step ratio clip (SD3: 1e-4)")
     adv_clip: float = cli.arg(5.0, "advantages clipped to ±adv_clip")
-    adv_std: str = cli.arg(
-        "group",
-        "divide advantages by each group's std or the whole batch's (official SD3: global)",
-        ["group", "global"])
-    drop_zero_advantage: bool = cli.arg(
-        False, "leave samples with A = 0 out of the update (official)")
+    adv_std: str = cli.arg("group", "divide advantages by each group's std or the whole batch's "
+                           "(official SD3: global)", ["group", "global"])
+    drop_zero_advantage: bool = cli.arg(False, "leave samples with A = 0 out of the update")
     beta: float = cli.arg(0.05, "β of the KL to the reference")
     lr: float = cli.arg(1e-3, "AdamW learning rate")
-    ema: float = cli.arg(
-        0.0,
-        "EMA decay of the trained weights used for evaluation and saving (0 = off; official 0.9)")
+    ema: float = cli.arg(0.0, "EMA decay of the trained weights used for evaluation and saving "
+                         "(0 = off; official 0.9)")
     minibatches: int = cli.arg(2, "optimiser steps per rollout batch")
     micro_batch: int = cli.arg(
         0, "rows per forward in rollouts and training (gradient accumulated; 0 = whole minibatch)")
@@ -121,13 +116,11 @@ class Args:
         False, "recompute the transformer's activations in the backward pass (SD3)")
     lora_rank: int = cli.arg(0, "LoRA rank on the attention projections (SD3)")
     resolution: int = cli.arg(512, "image size in pixels (SD3)")
-    mixed_precision: str = cli.arg(
-        "fp32",
-        "auto: bf16 on GPUs that have it, else fp32; fp16 uses a GradScaler. The SDE math is fp32",
-        ["auto", "fp32", "fp16", "bf16"])
-    label_noise: float = cli.arg(
-        0.4,
-        "toy: share of pretraining labels replaced at random (how badly the base follows prompts)")
+    mixed_precision: str = cli.arg("fp32", "auto: bf16 on GPUs that have it, else fp32; fp16 uses "
+                                   "a GradScaler. The SDE math is fp32",
+                                   ["auto", "fp32", "fp16", "bf16"])
+    label_noise: float = cli.arg(0.4, "toy: share of pretraining labels replaced at random (how "
+                                 "badly the base follows prompts)")
     cache_dir: str = cli.arg(
         "runs/flow_grpo_cache", "toy: where the base model and reward classifier are cached")
     eval_per_prompt: int = cli.arg(40, "evaluation samples per prompt")
@@ -139,9 +132,8 @@ class Args:
         "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
         ["auto", "cpu"])
     quiet: bool = cli.arg(False, "no per-step lines or progress bar")
-    report_to: str = cli.arg(
-        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
-    )
+    report_to: str = cli.arg("none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
+                             ["none", "tensorboard"])
     save_every: int = cli.arg(50, "epochs between checkpoints (0 = never)")
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
 
@@ -159,7 +151,7 @@ PRESETS = {
 }
 
 
-# ------------------------ the math: the SDE step, its log-prob and KL, CFG, the per-step objective
+# -------------------- the math: the SDE step and its log-prob, the per-step objective, its KL, CFG
 
 
 def sde_step_with_logprob(
@@ -194,23 +186,6 @@ def sde_step_with_logprob(
     return prev_sample.detach(), log_prob, mean, std
 
 
-def gaussian_mean_kl(mean, ref_mean, std):
-    """KL(N(mean, std²I) ‖ N(ref_mean, std²I)) = ‖mean − ref_mean‖² / (2·std²), averaged over dims →
-    (N,)."""
-    return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
-
-
-def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
-    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance; w = 1 is one plain pass.
-    Both halves go through one forward on the doubled batch (DDP allows one forward per
-    backward)."""
-    if guidance == 1.0:
-        return velocity_fn(x, sigma, cond)
-    both = tuple(torch.cat(pair) for pair in zip(cond, empty))
-    v_cond, v_empty = velocity_fn(torch.cat([x, x]), sigma, both).chunk(2)
-    return v_empty + guidance * (v_cond - v_empty)
-
-
 def step_loss(v, v_ref, x, x_next, sigma, sigma_next, old_logp, advantages, args):
     """The per-step objective at one trained denoising step j of a trajectory:
         ρ = exp(log π_θ(x_{j+1}|x_j) − log π_old(x_{j+1}|x_j))   (Eqs. 7–9 give the density)
@@ -234,6 +209,23 @@ def step_loss(v, v_ref, x, x_next, sigma, sigma_next, old_logp, advantages, args
         "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
         "ratio_max": ratio.max().item()}
     return loss, logp, stats
+
+
+def gaussian_mean_kl(mean, ref_mean, std):
+    """KL(N(mean, std²I) ‖ N(ref_mean, std²I)) = ‖mean − ref_mean‖² / (2·std²), averaged over dims →
+    (N,)."""
+    return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
+
+
+def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
+    """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance; w = 1 is one plain pass.
+    Both halves go through one forward on the doubled batch (DDP allows one forward per
+    backward)."""
+    if guidance == 1.0:
+        return velocity_fn(x, sigma, cond)
+    both = tuple(torch.cat(pair) for pair in zip(cond, empty))
+    v_cond, v_empty = velocity_fn(torch.cat([x, x]), sigma, both).chunk(2)
+    return v_empty + guidance * (v_cond - v_empty)
 
 
 # ---------------------------------------------------------------------------------------- rollouts

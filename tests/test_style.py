@@ -15,3 +15,43 @@ def test_lines_fit_in_100_columns():
         if len(line) > 100
     ]
     assert SOURCES and not long_lines, long_lines
+
+
+ALGORITHMS = ["flowrl.py", "flow_grpo.py", "rc_grpo.py", "agentflow.py"]
+
+
+def test_each_algorithm_file_reads_on_a_few_screens():
+    """≤ 500 lines, no function over 120, the first loss in the first 40 % of the file; common.py
+    ≤ 400 lines."""
+    import ast
+
+    for name in ALGORITHMS:
+        source = (ROOT / name).read_text(encoding="utf-8")
+        lines = len(source.splitlines())
+        functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+        longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
+        first_loss = min(n.lineno for n in functions if n.name.endswith("_loss"))
+        assert lines <= 500, (name, lines)
+        assert longest.end_lineno - longest.lineno + 1 <= 120, (name, longest.name)
+        assert first_loss <= 0.4 * lines, (name, first_loss, lines)
+    assert len((ROOT / "common.py").read_text(encoding="utf-8").splitlines()) <= 400
+
+
+def test_imports_go_one_way():
+    """No algorithm file imports another, nothing in envs/ or utils/ imports one, and common.py
+    imports no project module."""
+    import ast
+
+    project = {p.stem for p in ROOT.glob("*.py")} | {"envs", "utils"}
+    for path in [ROOT / "common.py", *ROOT.glob("envs/*.py"), *ROOT.glob("utils/*.py"),
+                 *(ROOT / name for name in ALGORITHMS)]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and n.module}
+        mine = imported & project
+        if path.name == "common.py":
+            assert not mine, mine
+        else:
+            assert not mine & {Path(a).stem for a in ALGORITHMS}, (path.name, mine)
