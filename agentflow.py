@@ -332,11 +332,11 @@ def validate(args):
          "--model needs --lora-rank > 0: the frozen modules are the adapter-off model")])
 
 
-def train_arm(args, system, train_planner, out_dir, accelerator):
+def train_arm(args, system, out_dir, accelerator):
     """Flow-GRPO on the planner (the Flow-GRPO objective): G rollouts per query → broadcast A_i →
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
-    rank rolls out its block of queries with its own noise; the planner's DDP wrapper averages the
-    gradients. `args.credit` says which turns are trained. Returns (sampler_dev, the Run)."""
+    rank rolls out its block of queries with its own noise and the gradients are averaged once per
+    optimiser step. `args.credit` says which turns are trained. Returns (sampler_dev, the Run)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -388,7 +388,7 @@ def train_arm(args, system, train_planner, out_dir, accelerator):
                 advantages = torch.tensor([rows[k][1] for k in mb.rows], device=device)  # (B,)
                 with autocast:
                     logp = common.completion_logprobs(  # (B, W)
-                        train_planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
+                        planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
                 # not yet updated: training must score what the sampler drew
                 if inner == 0 and step == 1:
                     sampler_dev = max(
@@ -399,6 +399,7 @@ def train_arm(args, system, train_planner, out_dir, accelerator):
                 if not torch.isfinite(loss):
                     raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
                 accelerator.backward(loss)
+            common.average_gradients(params, accelerator)  # the one collective of the step
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
 
@@ -426,12 +427,11 @@ def train(args):
     else:  # DEVIATION: the toy planner first learns the plan's format from demonstrations
         system = agent_toy.build_toy(args, device)
         warm_start(system, system.train[: args.warm_start_demos], args)
-    train_planner = accelerator.prepare(system.planner)  # DDP wrapper (N processes) for the loss
     out_dir = Path(args.out_dir)
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
     test = system.test if accelerator.is_main_process else []  # only rank 0 evaluates and writes
     before, before_rollouts = evaluate(system, test, args) if test else ({}, [])
-    sampler_dev, run = train_arm(args, system, train_planner, out_dir, accelerator)
+    sampler_dev, run = train_arm(args, system, out_dir, accelerator)
     after, after_rollouts = evaluate(system, test, args) if test else ({}, [])
     summary = {f"{k}_before": v for k, v in before.items()} | {
         f"{k}_after": v for k, v in after.items()} | {
@@ -456,7 +456,7 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        _, ablation = train_arm(ablation_args, system, train_planner, out_dir / other, accelerator)
+        _, ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
         if accelerator.is_main_process:
             ablated = evaluate(system, test, args)[0]
             ablation.finish({f"{k}_after": v for k, v in ablated.items()})

@@ -325,6 +325,21 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     raise ValueError(f"kind must be k1, k2 or k3, got {kind!r}")
 
 
+def average_gradients(params, accelerator):
+    """g ← mean over ranks of each rank's accumulated g: what DDP's all-reduce computes, as one
+    collective per parameter per optimiser step, so ranks may run different numbers of
+    micro-batches (their rollouts differ in length) without a hang. A no-op in one process."""
+    if accelerator.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    for p in params:  # every rank reduces every parameter, in the same order
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= accelerator.num_processes
+
+
 # ----------------------------------------------------------------------------- devices and seeds
 
 

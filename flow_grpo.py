@@ -374,9 +374,7 @@ def train(args):
     fp16 = bool(args.model) and task.dtype == torch.float16  # fp16 only with loss scaling (NOTE)
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     ema = [p.detach().clone() for p in params] if args.ema else None
-    # TRY NOT TO MODIFY: with N processes the training forward goes through DDP (it averages
-    # gradients); rollouts and evaluation use the plain network; each rank keeps its groups.
-    train_net = accelerator.prepare(task.policy)
+    # TRY NOT TO MODIFY: with N processes each rank keeps its block of groups (gradients: below)
     mine = common.local_groups(args.prompts_per_epoch, accelerator)
     rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
     train_sigmas = schedule(args.train_steps, args.shift, device)
@@ -387,8 +385,7 @@ def train(args):
     run = tracking.Run(out_dir, dataclasses.asdict(args), args.epochs,
                        "flow_grpo", ({"policy": task.policy}, {"optimizer": optimizer},
                                      {"rollouts": gen}), args, accelerator.is_main_process)
-    velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond), plain and DDP
-    train_velocity = functools.partial(task.velocity, train_net)
+    velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond)
     with swapped(params, ema):
         before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
     start, extra = run.resume()
@@ -420,13 +417,15 @@ def train(args):
         if args.drop_zero_advantage:
             order = order[advantages[order] != 0]
         stats_sum, n_terms = {}, 0
-        for m, batch in enumerate(order.chunk(args.minibatches) if len(order) else []):
+        # every rank takes the same `minibatches` steps, however many of its rows are left
+        for m, batch in enumerate(torch.tensor_split(order, args.minibatches)):
+            if not len(batch) and accelerator.num_processes == 1:  # e.g. every A = 0, dropped
+                continue
             optimizer.zero_grad()
             for chunk, j in itertools.product(batch.split(micro), range(trained_steps)):
                 sub_cond, sub_empty = tuple(c[chunk] for c in cond), tuple(e[chunk] for e in empty)
                 x, x_next = latents[j][chunk], latents[j + 1][chunk]
-                v = guided_velocity(
-                    train_velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
+                v = guided_velocity(velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
                 with torch.no_grad():
                     v_ref = None if args.beta == 0 else guided_velocity(
                         task.ref_velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
@@ -441,6 +440,7 @@ def train(args):
                 accelerator.backward(scaler.scale(loss * len(chunk) / len(batch) / trained_steps))
                 n_terms += 1
                 stats_sum = {k: stats_sum.get(k, 0.0) + value for k, value in stats.items()}
+            common.average_gradients(params, accelerator)  # the one collective of the step
             # clip the true gradient; a step with inf/NaN gradients is skipped
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -284,14 +284,13 @@ def train(args):
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
     groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
     if args.algo == "flowrl":  # the log Z head learns only under TB
-        groups.append({"params": head.parameters(), "lr": args.logz_lr})
+        groups.append({"params": list(head.parameters()), "lr": args.logz_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     autocast = common.training_autocast(device)
     gen = torch.Generator().manual_seed(args.seed)
-    # TRY NOT TO MODIFY: with N processes (`accelerate launch`) DDP wraps the training forward;
-    # sampling and evaluation use the plain modules, and each rank rolls out its block of groups.
-    train_model = accelerator.prepare(model)
-    train_head = accelerator.prepare(head) if args.algo == "flowrl" else head
+    # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
+    # groups and the gradients are averaged once per optimiser step (common.average_gradients).
+    trained = [p for group in groups for p in group["params"]]
     mine = common.local_groups(args.prompts_per_step, accelerator)
     name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
     out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
@@ -340,14 +339,14 @@ def train(args):
                 ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
                 with autocast:
                     scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
-                        train_model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
+                        model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
                 logp, hidden = scored if args.algo == "flowrl" else (scored, None)
                 if inner == 0:  # not yet updated: training must score what the sampler drew
                     sampler_dev = max(
                         sampler_dev, ((logp.detach() - mb.old_logp) * mask).abs().max().item())
                 if args.algo == "flowrl":  # the TB residual, squared and weighted by w
                     plen = ids.shape[1] - mask.shape[1]  # log Z_φ(x) from the prompt, (B,)
-                    log_z = train_head(hidden[:, :plen], attn[:, :plen].float(), args.detach_logz)
+                    log_z = head(hidden[:, :plen], attn[:, :plen].float(), args.detach_logz)
                     weight = importance_weight(common.sequence_logprob(logp, mask),
                                                common.sequence_logprob(mb.old_logp, mask),
                                                args.clip_eps)
@@ -364,6 +363,7 @@ def train(args):
                     raise SystemExit(
                         f"error: non-finite loss at step {step}; lower --lr or check the reward")
                 accelerator.backward(loss)
+            common.average_gradients(trained, accelerator)  # the one collective of the step
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
 

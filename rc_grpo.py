@@ -280,13 +280,13 @@ def validate(args):
 
 
 def grpo_arm(
-    args, world, train_model, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator
+    args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator
 ):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed
     (GRPO), one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token
     (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1
     weights with the new adapter off. With N processes each rank rolls out its block of tasks with
-    its own noise (DDP averages gradients)."""
+    its own noise; the gradients are averaged once per optimiser step."""
     model, tokenizer = world.model, world.tokenizer
     reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -338,7 +338,7 @@ def grpo_arm(
             batch_adv = torch.tensor([rows[k][1] for k in mb.rows], device=model.device)  # (B,)
             with autocast:
                 logp = common.completion_logprobs(  # (B, W)
-                    train_model, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
+                    model, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
             if step == 1:  # not yet updated: training must score what the sampler drew
                 sampler_dev = max(
                     sampler_dev, ((logp.detach() - mb.old_logp) * mb.mask).abs().max().item())
@@ -348,6 +348,7 @@ def grpo_arm(
             if not torch.isfinite(loss):
                 raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
             accelerator.backward(loss)
+        common.average_gradients(params, accelerator)  # the one collective of the step
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
@@ -422,7 +423,6 @@ def train(args):
         lora_config = world.model.peft_config["default"]
         world.model = get_peft_model(world.model.merge_and_unload(), lora_config)
         models.check_master_weights(world.model)
-    train_model = accelerator.prepare(world.model)  # DDP wrapper (N processes) for the GRPO loss
     curves = {}
     for arm in arms:
         init, algo = arm.split("+")
@@ -434,7 +434,7 @@ def train(args):
             out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet,
             main_process=accelerator.is_main_process)
         result = grpo_arm(
-            args, world, train_model, arm, use_tokens, algo == "rc-grpo", logger,
+            args, world, arm, use_tokens, algo == "rc-grpo", logger,
             out_dir / arm / "checkpoint.safetensors", accelerator)
         token = HIGH if use_tokens else None
         result["accuracy"] = evaluate(world, world.test, token, args)

@@ -170,8 +170,7 @@ class SD3Task:
         self.info = {}
 
     def velocity(self, net, x, sigma, cond):
-        """v_θ(x, t, c); net is the transformer or its DDP wrapper. The timestep stays fp32
-        (official)."""
+        """v_θ(x, t, c) of `net` (the transformer). The timestep stays fp32 (official)."""
         with self.autocast:
             v = net(
                 hidden_states=x.to(self.dtype), timestep=(1000 * sigma).float().expand(len(x)),

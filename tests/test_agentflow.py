@@ -134,9 +134,9 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
 @pytest.mark.slow
 def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
     s = agentflow.train(toy_args(tmp_path, "--seed", "1"))
-    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.36 (seed 3) and the
-    # smallest lead over final-turn credit 0.365 (seed 4); the test asks for less than half of each.
-    assert s["accuracy_after"] >= s["accuracy_before"] + 0.15
+    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.20 (seed 4) and the
+    # smallest lead over final-turn credit 0.365 (seed 4); the test asks for half of each or less.
+    assert s["accuracy_after"] >= s["accuracy_before"] + 0.1
     assert s["accuracy_after"] >= s["accuracy_final_turn_credit"] + 0.15
 
 

@@ -14,12 +14,16 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
+    # NOTE: one OpenMP thread in the kernel: with two on two busy cores, a tiny model's step was
+    # measured 40× slower under ipykernel than in a script.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
     book = nbformat.read(path, as_version=4)
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
     workdir.mkdir()
     for name in os.listdir(path.parents[1]):
-        if name.endswith(".py") or name == "tests":  # the scripts, and the data files under tests/
+        # the scripts, what they import, and the data files under tests/
+        if name.endswith(".py") or name in ("envs", "utils", "tests"):
             (tmp_path / name).symlink_to(path.parents[1] / name)
     NotebookClient(
         book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
