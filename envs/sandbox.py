@@ -35,7 +35,8 @@ def mount(*args):
 mount("-t", "tmpfs", "-o", "mode=755,size=1m", "tmpfs", "/mnt")
 os.mkdir("/mnt/work"); os.mkdir("/mnt/py")
 mount("--bind", work, "/mnt/work")
-prefixes = sorted({sys.base_prefix, sys.prefix})  # the interpreter and its venv, read-only
+# the interpreter and its venv, read-only, by their real paths (a venv may be a symlink)
+prefixes = sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
 keep = [(p, f"/mnt/py/{n}") for n, p in enumerate(prefixes)]
 for source, target in keep:
     os.mkdir(target); mount("--bind", source, target); mount("-o", "remount,bind,ro", target)
@@ -98,13 +99,15 @@ def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_file
         work.mkdir()
         (work / "main.py").write_text(code)
         with open(out / "stdout", "wb") as stdout, open(out / "stderr", "wb") as stderr:
+            # the venv's own interpreter, reached through the real path of its folder
+            python = str(Path(sys.executable).parent.resolve() / Path(sys.executable).name)
             if sandbox_isolates():
                 os.chown(work, SANDBOX_UID, SANDBOX_UID)
                 os.chmod(workdir, 0o755)
                 command = [
                     "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child",
-                    "--mount-proc", "--", sys.executable, "-I", "-c", SANDBOX_BOOT, str(work),
-                    "main.py", sys.executable, str(SANDBOX_UID), str(memory_mb),
+                    "--mount-proc", "--", python, "-I", "-c", SANDBOX_BOOT, str(work),
+                    "main.py", python, str(SANDBOX_UID), str(memory_mb),
                     str(int(timeout) + 1), "1", *[str(Path(f).resolve()) for f in hidden_files]]
                 limits = None
             else:

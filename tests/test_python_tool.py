@@ -144,3 +144,26 @@ def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
     output, ok = sandbox.python_tool(
         "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())")
     assert ok and output == "hi"
+
+
+def test_works_from_a_symlinked_virtual_environment(tmp_path):
+    """A venv whose real folder the sandbox hides (here under /tmp), reached through a symlink it
+    does not hide (under runs/), still runs the tool."""
+    import shutil
+    import subprocess
+    import sys
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    link = REPO / "runs" / f"venv-link-{os.getpid()}"
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(tmp_path / "venv", target_is_directory=True)
+    call = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
+            "print(sandbox.python_tool('print(6 * 7)'))")
+    try:
+        done = subprocess.run([str(link / "bin" / "python"), "-c", call], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        link.unlink()
+        shutil.rmtree(tmp_path / "venv")
+    assert done.stdout.strip() == "('42', True)", done.stdout + done.stderr[-500:]
