@@ -424,13 +424,13 @@ def train(args):
             optimizer.zero_grad()
             for chunk, j in itertools.product(batch.split(micro), range(trained_steps)):
                 sub_cond, sub_empty = tuple(c[chunk] for c in cond), tuple(e[chunk] for e in empty)
-                x, x_next = latents[j][chunk], latents[j + 1][chunk]
-                v = guided_velocity(velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
+                x, x_next, sigma = latents[j][chunk], latents[j + 1][chunk], train_sigmas[j]
+                v = guided_velocity(velocity, x, sigma, sub_cond, sub_empty, args.guidance)
                 with torch.no_grad():
                     v_ref = None if args.beta == 0 else guided_velocity(
-                        task.ref_velocity, x, train_sigmas[j], sub_cond, sub_empty, args.guidance)
+                        task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
                 loss, logp, stats = step_loss(
-                    v, v_ref, x, x_next, train_sigmas[j], train_sigmas[j + 1], old_logp[j][chunk],
+                    v, v_ref, x, x_next, sigma, train_sigmas[j + 1], old_logp[j][chunk],
                     advantages[chunk], args)
                 if m == 0:  # nothing updated yet: training must score what the rollout drew
                     dev = (logp.detach() - old_logp[j][chunk]).abs().max().item()

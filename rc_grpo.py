@@ -93,6 +93,8 @@ class Args:
     sft_batch: int = cli.arg(16, "stage-1 batch (paper: 16)")
     failure_rollouts: int = cli.arg(4, "base-model rollouts per train task to find failures")
     max_steps: int = cli.arg(6, "model steps per user turn (BFCL: 20)")
+    max_prompt_tokens: int = cli.arg(
+        18000, "a dialogue whose prompt grows past this is abandoned and scored as it stands")
     max_new_tokens: int = cli.arg(10, "tokens per model step")
     temperature: float = cli.arg(1.0, "rollout temperature; evaluation is greedy")
     max_tasks: int = cli.arg(

@@ -540,6 +540,16 @@ def run_rollouts(world, entries, goals, temperature, args):
         )
     while active := [r for r in runs if not r["done"]]:
         prompts = [render(world, r["messages"]) for r in active]
+        # a dialogue past --max-prompt-tokens is abandoned, as past the step cap: the prefill of a
+        # longer one may not fit, and its calls so far are what gets scored
+        encoded = world.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        lengths = [len(ids) for ids in encoded]
+        for run, length in zip(active, lengths):
+            run["done"] = run["abandoned"] = length > args.max_prompt_tokens
+        keep = [k for k, run in enumerate(active) if not run["done"]]
+        active, prompts = [active[k] for k in keep], [prompts[k] for k in keep]
+        if not active:
+            break
         outputs = common.sample_completions(
             world.model, world.tokenizer, prompts, args.max_new_tokens, temperature,
             batch_rows=args.gen_batch)

@@ -128,10 +128,11 @@ def scripted_world(monkeypatch, outputs):
     monkeypatch.setattr(
         common, "sample_completions",
         lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
-    return bfcl.World([], [], None, None, chat=False, end_text="done")
+    tokenizer = models.make_tokenizer(["user", "asst", "tool"])  # counts prompt length only
+    return bfcl.World([], [], tokenizer, None, chat=False, end_text="done")
 
 
-ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10)
+ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10, max_prompt_tokens=10**6)
 
 
 def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(
@@ -159,11 +160,24 @@ def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(mon
     (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
-    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3)
+    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3, max_prompt_tokens=10**6)
     (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
     # 4 > 3 steps in turn 0: abandoned
     assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
+
+
+def test_a_dialogue_past_the_prompt_cap_is_abandoned_and_scored_as_it_stands(monkeypatch):
+    entry = toy_entry(["a.txt"]) | {
+        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
+    world = scripted_world(monkeypatch, ["[cd(folder='docs')]"] * 10)
+    first = len(world.tokenizer(bfcl.render(world, bfcl.user_messages(world, entry, 0, None, None)),
+                                add_special_tokens=False)["input_ids"])
+    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10,
+                             max_prompt_tokens=first + 12)
+    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, capped)
+    assert run["abandoned"] and 1 <= len(run["steps"]) < 10  # stopped by the cap, not the step cap
+    assert run["calls_per_turn"][0][0] == "cd(folder='docs')" and run["reward"] == 0.0
 
 
 def test_work_done_on_the_wrong_turn_scores_zero(entries):
