@@ -41,8 +41,8 @@ Deviations (numbered, on purpose):
        KL(π‖π_ref)/(β·|y|) gives π ∝ π_ref·exp(β·|y|·r)), so it separates "match a target" from
        "match it with trajectory balance".
 
-Toy (CPU, about 2 minutes per arm; docs/flowrl.md):
-    python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.1, 22–24 of 24 answers kept
+Toy (CPU, about a minute per arm; docs/flowrl.md):
+    python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 23–24 of 24 answers kept
     python flowrl.py --algo grpo       # the reward maximiser: KL 0.48 → above 2, a few answers kept
     python flowrl.py --algo grpo-kl    # the control with FlowRL's target
     python flowrl.py --seeds 0-4       # all three arms on five seeds, one table

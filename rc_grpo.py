@@ -45,8 +45,8 @@ Deviations (numbered, on purpose):
        docs).
 
 Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
-    python rc_grpo.py     # zero-variance fraction ~0.96 (SFT+GRPO) vs ~0.43 (RCTP+RC-GRPO),
-                          # ε > 0.3; held-out accuracy ~0.88 for both arms on most seeds
+    python rc_grpo.py     # zero-variance fraction ~0.91 (SFT+GRPO) vs ~0.53 (RCTP+RC-GRPO),
+                          # ε ≥ 0.5; held-out accuracy ~0.87 for both arms on most seeds
     python rc_grpo.py --seeds 0-4 --arms sft+grpo,rctp+rc-grpo   # five seeds, one table
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (DDP, docs/full_scale.md):
