@@ -40,7 +40,7 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py --seeds 0-4   # the same on five seeds, one table
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
-N GPUs (DDP, docs/full_scale.md):
+N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N agentflow.py --preset full ...
 Sample from the trained planner (full preset; a LoRA adapter on --model):
     python -m utils.sample runs/agentflow/planner "Question: ... Plan the next step."

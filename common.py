@@ -12,7 +12,8 @@ Only what two or more scripts use lives here; each script writes its own loss. T
                             (Flow-GRPO's averaged log-prob)
 
 Also what every loop touches: sampling with the sampler's own log-probs, token-bounded
-micro-batches, seeds, the device and this rank's groups. Run plumbing (flags, models, logging,
+micro-batches with π_ref scored once (scored_micro_batches), the one gradient all-reduce per
+optimiser step (average_gradients), seeds, the device and this rank's groups. Run plumbing (flags, models, logging,
 checkpoints, sweeps) lives in utils/; this module imports no other module of the project.
 """
 
@@ -352,9 +353,9 @@ def seed_everything(seed):
 
 def setup_accelerator(device_name="auto"):
     """Accelerate's process state → (accelerator, device). One process normally; under `accelerate
-    launch` or `torchrun`, one process per device joined by DDP (the official Flow-GRPO uses
-    Accelerate DDP, the official Flow-GRPO code). device_name "cpu" forces the CPU (gloo); "auto"
-    takes cuda:<local rank>, mps or cpu."""
+    launch` or `torchrun`, one process per device in one process group (gradients: see
+    average_gradients). device_name "cpu" forces the CPU (gloo); "auto" takes cuda:<local rank>,
+    mps or cpu."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=device_name == "cpu")

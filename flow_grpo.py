@@ -52,7 +52,7 @@ Toy (CPU, under a minute after a one-time ~24 s pretraining; docs/flow_grpo.md):
     python flow_grpo.py --seeds 0-4   # the same on five seeds, one table
 Full scale (one GPU, SD3.5-Medium, PickScore):
     python flow_grpo.py --preset sd3 --prompts train.txt --eval-prompts test.txt
-N GPUs (DDP, docs/full_scale.md):
+N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N flow_grpo.py --preset sd3 ...
 Sample from the trained LoRA (sd3 preset), in Python (the tests reload it the same way):
     pipe = StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium")
@@ -219,8 +219,8 @@ def gaussian_mean_kl(mean, ref_mean, std):
 
 def guided_velocity(velocity_fn, x, sigma, cond, empty, guidance):
     """v = v(x, ∅) + w·(v(x, c) − v(x, ∅)), classifier-free guidance; w = 1 is one plain pass.
-    Both halves go through one forward on the doubled batch (DDP allows one forward per
-    backward)."""
+    Both halves go through one forward on the doubled batch (the official SD3 script does the
+    same)."""
     if guidance == 1.0:
         return velocity_fn(x, sigma, cond)
     both = tuple(torch.cat(pair) for pair in zip(cond, empty))

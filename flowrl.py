@@ -51,7 +51,7 @@ A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-rea
     python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO spread: held 1/3 seeds
 Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
-N GPUs (DDP, docs/full_scale.md):
+N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N flowrl.py --preset full ...
 Sample from the trained policy (full preset; a plain causal LM folder, no log Z head):
     python -m utils.sample runs/flowrl/policy "What is 7 + 5?"

@@ -49,7 +49,7 @@ Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
                           # ε ≥ 0.5; held-out accuracy ~0.87 for both arms on most seeds
     python rc_grpo.py --seeds 0-4 --arms sft+grpo,rctp+rc-grpo   # five seeds, one table
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
-N GPUs (DDP, docs/full_scale.md):
+N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N rc_grpo.py --preset bfcl
 Sample from a trained arm (bfcl preset; a LoRA adapter on --model):
     python -m utils.sample runs/rc_grpo/rctp+rc-grpo/policy "List the files here."
