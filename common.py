@@ -13,8 +13,9 @@ Only what two or more scripts use lives here; each script writes its own loss. T
 
 Also what every loop touches: sampling with the sampler's own log-probs, token-bounded
 micro-batches with π_ref scored once (scored_micro_batches), the one gradient all-reduce per
-optimiser step (average_gradients), seeds, the device and this rank's groups. Run plumbing (flags, models, logging,
-checkpoints, sweeps) lives in utils/; this module imports no other module of the project.
+optimiser step (average_gradients), seeds, the device and this rank's groups. Run plumbing (flags,
+models, logging, checkpoints, sweeps) lives in utils/; this module imports no other module of the
+project.
 """
 
 import dataclasses
