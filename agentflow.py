@@ -56,7 +56,7 @@ import torch
 
 import common
 from envs import agent_tools, agent_toy
-from utils import cli, sweep, tracking
+from utils import cli, distributed, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -72,7 +72,9 @@ class Args:
     steps: int = cli.arg(60, "rollout batches")
     queries_per_step: int = cli.arg(8, "B queries per batch (paper: 32)")
     group_size: int = cli.arg(8, "G rollouts per query (paper: 8)")
-    inner_steps: int = cli.arg(2, "optimiser steps per batch")
+    inner_steps: int = cli.arg(2, "epochs over each batch (--minibatches optimiser steps each)")
+    minibatches: int = cli.arg(
+        1, "disjoint mini-batches of turn rows per batch, one optimiser step each (π_old fixed)")
     max_turns: int = cli.arg(3, "planner turns per rollout in training (paper: 3)")
     eval_max_turns: int = cli.arg(10, "planner turns at evaluation (paper: 10)")
     max_new_tokens: int = cli.arg(4, "planner output cap per turn")
@@ -81,6 +83,7 @@ class Args:
     clip_eps_high: float = cli.arg(0.3, "ε_high (paper: 0.3)")
     beta: float = cli.arg(0.001, "β of the k3 KL to the reference (paper: 0.001)")
     lr: float = cli.arg(1e-3, "planner learning rate (paper: 1e-6)")
+    weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.01)")
     credit: str = cli.arg(
         "broadcast",
         "broadcast: every turn carries A_i (Flow-GRPO); final-turn: only the last turn is trained",
@@ -103,6 +106,10 @@ class Args:
     gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
+    mixed_precision: str = cli.arg(
+        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
+    timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     tool_timeout: float = cli.arg(10.0, "Python tool timeout in seconds")
     eval_every: int = cli.arg(20, "steps between held-out evaluations")
     seed: int = cli.arg(0, "random seed")
@@ -176,7 +183,8 @@ def flow_grpo_loss(
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
-        "kl": common.masked_mean(kl, mask).item()}
+        "kl": common.masked_mean(kl, mask).item(),
+        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item()}
     return loss, stats
 
 
@@ -249,7 +257,7 @@ def planner_sampler(system, temperature, args):
     """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
     return lambda prompts: common.sample_completions(
         system.planner, system.tokenizer, prompts, args.max_new_tokens, temperature,
-        batch_rows=args.gen_batch)
+        batch_rows=args.gen_batch, precision=args.mixed_precision)
 
 
 def warm_start(system, demos, args):
@@ -280,19 +288,22 @@ def warm_start(system, demos, args):
         optimizer.step()
 
 
-def evaluate(system, queries, args):
-    """Greedy rollouts with the evaluation turn cap: accuracy, mean turns, tool error rate."""
+def evaluate(system, queries, args, accelerator):
+    """Greedy rollouts with the evaluation turn cap → ({accuracy, mean turns, tool error rate},
+    this rank's rollouts). Sharded: each rank rolls out every N-th query and the numbers are
+    gathered, so every rank evaluates and none waits in a collective meanwhile."""
+    from accelerate.utils import gather_object
+
+    world, rank = accelerator.num_processes, accelerator.process_index
     trajectories = run_agent(
-        queries, system, planner_sampler(system, 0.0, args), args.eval_max_turns)
-    return rollout_stats(trajectories), trajectories
-
-
-def rollout_stats(trajectories):
-    entries = [e for t in trajectories for e in t["memory"].entries]
-    return {
-        "accuracy": sum(t["reward"] for t in trajectories) / len(trajectories),
-        "mean_turns": sum(len(t["turns"]) for t in trajectories) / len(trajectories),
-        "tool_error_rate": sum(not e["ok"] for e in entries) / max(1, len(entries))}
+        queries[rank::world], system, planner_sampler(system, 0.0, args), args.eval_max_turns)
+    numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
+               for t in trajectories]
+    numbers = gather_object(numbers) if world > 1 else numbers
+    oks = [ok for _, _, entry_oks in numbers for ok in entry_oks]
+    return {"accuracy": sum(r for r, _, _ in numbers) / len(numbers),
+            "mean_turns": sum(turns for _, turns, _ in numbers) / len(numbers),
+            "tool_error_rate": oks.count(False) / max(1, len(oks))}, trajectories
 
 
 def format_rollout(trajectory):
@@ -341,10 +352,10 @@ def train_arm(args, system, out_dir, accelerator):
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
     params = [p for p in planner.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    autocast = common.training_autocast(device)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    autocast = common.training_autocast(device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
-    mine = common.local_groups(args.queries_per_step, accelerator)
+    mine = distributed.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
@@ -362,7 +373,7 @@ def train_arm(args, system, out_dir, accelerator):
         queries = [system.train[i] for i in pick.tolist() for _ in range(args.group_size)]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
-            torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
+            torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
         trajectories = run_agent(queries, system, plan, args.max_turns)
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (the Flow-GRPO objective)
@@ -373,45 +384,51 @@ def train_arm(args, system, out_dir, accelerator):
         # the ablation: only each trajectory's last planner turn is trained
         if args.credit == "final-turn":
             rows = [rows[k] for k in (torch.tensor(turns).cumsum(0) - 1).tolist()]
-        # 3. token-bounded micro-batches of turn-samples, π_ref's log-probs once
+        # 3. --minibatches disjoint mini-batches of turn-samples in token-bounded micro-batches;
+        #    π_old = the trainer's own no-grad forward before any update, π_ref once
         prompts, completions = [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows]
-        token_count = max(1, sum(len(c) for c in completions))
-        with autocast:
-            batches = common.scored_micro_batches(
-                tokenizer, prompts, completions, [t["old_logp"] for t, _ in rows],
-                args.micro_batch_tokens, device, planner, reference, args.temperature)
-        # 4. inner_steps optimiser steps, gradients accumulated over the micro-batches
         planner.train()
+        parts = [common.scored_micro_batches(
+            tokenizer, prompts, completions, [t["old_logp"] for t, _ in rows],
+            args.micro_batch_tokens, device, planner, reference, args.temperature,
+            precision=args.mixed_precision, rows=part)
+            for part in common.split_minibatches(len(rows), args.minibatches)]
+        sampler_dev = max(sampler_dev, common.sampler_gap([mb for part in parts for mb in part]))
+        # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
+        #    gradients accumulated over its micro-batches
+        first_dev = None
         for inner in range(args.inner_steps):
-            optimizer.zero_grad()
-            for mb in batches:
-                advantages = torch.tensor([rows[k][1] for k in mb.rows], device=device)  # (B,)
-                with autocast:
-                    logp = common.completion_logprobs(  # (B, W)
-                        planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
-                # not yet updated: training must score what the sampler drew
-                if inner == 0 and step == 1:
-                    sampler_dev = max(
-                        sampler_dev, ((logp.detach() - mb.old_logp) * mb.mask).abs().max().item())
-                loss, stats = flow_grpo_loss(
-                    logp, mb.old_logp, mb.ref_logp, advantages, mb.mask, args.clip_eps,
-                    args.clip_eps_high, args.beta, token_count)
-                if not torch.isfinite(loss):
-                    raise SystemExit(f"error: non-finite loss at step {step}; lower --lr")
-                accelerator.backward(loss)
-            common.average_gradients(params, accelerator)  # the one collective of the step
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+            for part in parts:
+                optimizer.zero_grad()
+                token_count = max(1, sum(int(mb.mask.sum()) for mb in part))
+                loss, stats, last_dev = torch.zeros(()), {}, 0.0  # an empty mini-batch: no update
+                for mb in part:
+                    advantages = torch.tensor([rows[k][1] for k in mb.rows], device=device)  # (B,)
+                    with autocast:
+                        logp = common.completion_logprobs(  # (B, W)
+                            planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
+                    loss, stats = flow_grpo_loss(
+                        logp, mb.old_logp, mb.ref_logp, advantages, mb.mask, args.clip_eps,
+                        args.clip_eps_high, args.beta, token_count)
+                    common.check_finite(loss, step)
+                    loss.backward()
+                    last_dev = max(last_dev, stats["ratio_dev"])  # max |ρ − 1| of this update
+                first_dev = last_dev if first_dev is None else first_dev
+                distributed.average_gradients(params, accelerator)  # the update's one collective
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
         rewards = accelerator.gather(rewards.float().to(device)).cpu()
         record = {"reward": rewards.mean().item(), "loss": loss.item(), "turn_samples": len(rows),
                   "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
                   "mean_turns": sum(turns) / len(turns), "sampler_logprob_max_dev": sampler_dev,
-                  **stats}
+                  "grad_norm": grad_norm.item(), **stats, "ratio_dev_first": first_dev,
+                  "ratio_dev_last": last_dev}
         due = step % args.eval_every == 0 or step == args.steps
-        if system.test and due and accelerator.is_main_process:
-            record |= {f"eval_{k}": v for k, v in evaluate(system, system.test, args)[0].items()}
+        if system.test and due:
+            metrics = evaluate(system, system.test, args, accelerator)[0]
+            record |= {f"eval_{k}": v for k, v in metrics.items()}
         run.log(step, record, {"sampler_dev": sampler_dev})
     return sampler_dev, run
 
@@ -421,7 +438,7 @@ def train(args):
     ablation too."""
     validate(args)
     common.seed_everything(args.seed)
-    accelerator, device = common.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
     if args.model:
         system = agent_tools.build_full(args, device)
     else:  # DEVIATION: the toy planner first learns the plan's format from demonstrations
@@ -429,10 +446,10 @@ def train(args):
         warm_start(system, system.train[: args.warm_start_demos], args)
     out_dir = Path(args.out_dir)
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
-    test = system.test if accelerator.is_main_process else []  # only rank 0 evaluates and writes
-    before, before_rollouts = evaluate(system, test, args) if test else ({}, [])
+    test = system.test  # every rank evaluates its share; rank 0 writes
+    before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
     sampler_dev, run = train_arm(args, system, out_dir, accelerator)
-    after, after_rollouts = evaluate(system, test, args) if test else ({}, [])
+    after, after_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
     summary = {f"{k}_before": v for k, v in before.items()} | {
         f"{k}_after": v for k, v in after.items()} | {
         "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
@@ -445,9 +462,10 @@ def train(args):
                             "before": before["accuracy"], "after": after["accuracy"]}
         shown = "\n".join(["before training:", format_rollout(before_rollouts[0]),
                            "after training:", format_rollout(after_rollouts[0])])
-        (out_dir / "rollouts.txt").write_text(shown + "\n")
-        if not args.quiet:
-            print(shown)
+        if accelerator.is_main_process:
+            (out_dir / "rollouts.txt").write_text(shown + "\n")
+            if not args.quiet:
+                print(shown)
     if args.model and accelerator.is_main_process:
         system.planner.save_pretrained(out_dir / "planner")  # the LoRA adapter
         system.tokenizer.save_pretrained(out_dir / "planner")
@@ -457,10 +475,10 @@ def train(args):
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
         _, ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablated = evaluate(system, test, args, accelerator)[0]
+        ablation.finish({f"{k}_after": v for k, v in ablated.items()})
+        summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:
-            ablated = evaluate(system, test, args)[0]
-            ablation.finish({f"{k}_after": v for k, v in ablated.items()})
-            summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
             agent_toy.plot_accuracy_comparison(before["accuracy"], run.records, ablation.records,
                                                args.credit, other, out_dir / "credit.png")
     return run.finish(summary, [

@@ -12,10 +12,9 @@ Only what two or more scripts use lives here; each script writes its own loss. T
                             (Flow-GRPO's averaged log-prob)
 
 Also what every loop touches: sampling with the sampler's own log-probs, token-bounded
-micro-batches with π_ref scored once (scored_micro_batches), the one gradient all-reduce per
-optimiser step (average_gradients), seeds, the device and this rank's groups. Run plumbing (flags,
-models, logging, checkpoints, sweeps) lives in utils/; this module imports no other module of the
-project.
+micro-batches with π_old and π_ref scored once (scored_micro_batches), mini-batches, the
+precision, seeds. Plumbing (processes and their gradient all-reduce, flags, models, logging,
+checkpoints, sweeps) lives in utils/; this module imports no other module of the project.
 """
 
 import dataclasses
@@ -37,13 +36,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so it carries
     no policy gradient and never a NaN.
     """
-    if group_size < 2:
-        raise ValueError(f"group_size must be ≥ 2 for a group-relative advantage, got {group_size}")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} ≥ 2")
     if not torch.isfinite(rewards).all():
-        raise ValueError(
-            "rewards contain NaN or inf; fix the reward function (no silent NaN advantages)")
+        raise ValueError("rewards contain NaN or inf; fix the reward function (no silent NaN)")
     grouped = rewards.float().view(-1, group_size)  # (B, G)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
@@ -79,8 +75,6 @@ def token_logprobs(logits, labels):
 def masked_mean(x, mask, dim=None):
     """Σ x·m / Σ m over `dim` (all elements when None); an all-zero mask gives 0, not NaN."""
     mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
@@ -104,11 +98,9 @@ def gaussian_logprob(x, mean, std):
     return per_elem.flatten(1).mean(1)
 
 
-def completion_logprobs(
-    model, input_ids, attention_mask, completion_len, temperature=1.0, return_hidden=False
-):
-    """log π(y_t | x, y_<t) of the last `completion_len` tokens of padded sequences → (B,
-    completion_len).
+def completion_logprobs(model, input_ids, attention_mask, completion_len, temperature=1.0,
+                        return_hidden=False):
+    """log π(y_t | x, y_<t) of the last `completion_len` tokens of padded sequences → (B, W).
 
     Only the completion's logits are built (`logits_to_keep`), so a long prompt costs no
     vocabulary-sized memory. With a sampling temperature T ≠ 1 the policy is softmax(logits / T), so
@@ -141,7 +133,7 @@ def generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos
     from transformers import GenerationConfig
 
     sampling = dict(temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
-    return GenerationConfig(
+    return GenerationConfig(  # explicit pad/EOS: nothing else comes from the checkpoint
         max_new_tokens=max_new_tokens, do_sample=temperature > 0, repetition_penalty=1.0,
         num_beams=1, eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **sampling)
@@ -151,31 +143,38 @@ class SampledLogprobs:
     """A logits processor that runs last in `generate`: divides the logits by the temperature and
     records log softmax(scores)[sampled token], the sampler's own log-probability of each token it
     drew. One (B, V) tensor is kept at a time, never the whole (B, T, V) history that
-    `output_scores` would hold."""
+    `output_scores` would hold. With `row_seeds` it draws each row's token itself, from that row's
+    own generator, and leaves generate only that token: a row's sample then does not depend on which
+    other rows share the call (one call per step, any number of ranks)."""
 
-    def __init__(self, temperature):
+    def __init__(self, temperature, row_seeds=None):
         self.temperature, self.last, self.picked = temperature, None, []
+        self.row_seeds, self.rngs = row_seeds, None
 
     def __call__(self, input_ids, scores):
         self.collect(input_ids)
         scores = scores / self.temperature
         self.last = torch.log_softmax(scores.float(), dim=-1)
+        if self.row_seeds:
+            self.rngs = self.rngs or [torch.Generator(scores.device).manual_seed(seed)
+                                      for seed in self.row_seeds]
+            drawn = torch.cat([torch.multinomial(p, 1, generator=g)
+                               for p, g in zip(self.last.exp(), self.rngs)])
+            keep = torch.full_like(scores, -float("inf"))
+            scores = keep.scatter(1, drawn[:, None], scores.gather(1, drawn[:, None]))
         return scores
 
     def collect(self, input_ids):
-        """Gather the log-prob of the token just appended (call once more after `generate`
-        returns)."""
+        """Keep the log-prob of the token just appended (once more after `generate` returns)."""
         if self.last is not None:
             self.picked.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
             self.last = None
 
 
 @torch.no_grad()
-def sample_completions(
-    model, tokenizer, prompts, max_new_tokens, temperature=1.0, stop_at_eos=True, batch_rows=64
-):
-    """Sample one completion per prompt string → [(text, completion ids, log-probs at sampling
-    time)].
+def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0,
+                       stop_at_eos=True, batch_rows=64, precision="auto", row_seeds=None):
+    """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
     `generate` runs on at most `batch_rows` prompts at a time (bounded memory), with an explicit
     `generation_config`; the log-probs are the ones the sampler drew from (`SampledLogprobs`). A
@@ -191,41 +190,32 @@ def sample_completions(
     tokenizer.padding_side = "left"
     out = []
     for lo in range(0, len(prompts), batch_rows):
-        enc = tokenizer(
-            prompts[lo : lo + batch_rows], return_tensors="pt", padding=True,
-            add_special_tokens=False)
-        enc = enc.to(model.device)
-        recorder = SampledLogprobs(temperature if temperature > 0 else 1.0)
-        with training_autocast(model.device):  # sample in the precision the trainer scores in
+        enc = tokenizer(prompts[lo : lo + batch_rows], return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(model.device)
+        recorder = SampledLogprobs(temperature if temperature > 0 else 1.0,
+                                   row_seeds and row_seeds[lo : lo + batch_rows])
+        with training_autocast(model.device, precision):  # the precision the trainer scores in
             seq = model.generate(
                 **enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
         recorder.collect(seq)
         completion = seq[:, enc["input_ids"].shape[1] :].cpu()
-        logp = (
-            torch.stack(recorder.picked, 1).cpu()
-            if temperature > 0
-            else torch.zeros(completion.shape)
-        )
+        logp = torch.stack(recorder.picked, 1).cpu() if temperature > 0 else torch.zeros(
+            completion.shape)
         is_stop = torch.isin(completion, stop)
         keep = ~((is_stop.cumsum(-1) - is_stop.long()) > 0)  # up to and including the first EOS
-        for row in range(len(completion)):
-            ids = completion[row][keep[row]]
-            out.append(
-                (
-                    tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(),
-                    logp[row][keep[row]])
-            )
+        for ids, row_logp, row_keep in zip(completion, logp, keep):
+            ids = ids[row_keep]
+            out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(),
+                        row_logp[row_keep]))
     return out
 
 
 def pack_completions(tokenizer, prompts, completions, device):
-    """Left-padded prompts + right-padded completion ids → (ids (B, P+W), attention, completion mask
-    (B, W)).
+    """Left-padded prompts + right-padded completions → (ids (B, P+W), attention, mask (B, W)).
 
     The completion is the last W columns, so `completion_logprobs(..., completion_len=W)` scores
     exactly the model-written tokens (never prompts, observations or reward tokens); the mask marks
-    the real ones.
-    """
+    the real ones."""
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     width = max(1, max(len(c) for c in completions))
@@ -240,20 +230,27 @@ def pack_completions(tokenizer, prompts, completions, device):
 
 
 def micro_batches(tokenizer, prompts, completions, token_budget):
-    """Split rows into consecutive micro-batches whose padded size (rows × longest
-    prompt+completion) stays within `token_budget`, so a step's peak memory does not grow with the
-    number of rollouts. A row longer than the budget gets a micro-batch of its own. Returns lists of
-    row indices."""
-    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completions)]
-    batches, current, longest = [], [], 0
-    for row, length in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, length) > token_budget:
+    """Split rows into consecutive micro-batches whose packed size, rows × (longest prompt + longest
+    completion) as `pack_completions` pads them, stays within `token_budget`, so a step's peak
+    memory does not grow with the number of rollouts. A row longer than the budget gets a
+    micro-batch of its own. Returns lists of row indices."""
+    prompt_lens = [len(p) for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    batches, current, widest_prompt, widest_completion = [], [], 0, 0
+    for row, (plen, clen) in enumerate(zip(prompt_lens, map(len, completions))):
+        width = max(widest_prompt, plen) + max(widest_completion, clen, 1)
+        if current and (len(current) + 1) * width > token_budget:
             batches.append(current)
-            current, longest = [], 0
+            current, widest_prompt, widest_completion = [], 0, 0
         current.append(row)
-        longest = max(longest, length)
+        widest_prompt, widest_completion = max(widest_prompt, plen), max(widest_completion, clen)
     return batches + [current] if current else batches
+
+
+def split_minibatches(num_rows, minibatches):
+    """Rows 0..num_rows−1 as `minibatches` disjoint, contiguous, near-equal slices (PPO-style
+    epochs: one optimiser step per slice, π_old fixed for the whole rollout batch). A slice may be
+    empty when there are fewer rows than slices; every rank still takes the step."""
+    return [part.tolist() for part in np.array_split(np.arange(num_rows), minibatches)]
 
 
 def place_logprobs(mask, logps):
@@ -266,9 +263,8 @@ def place_logprobs(mask, logps):
 
 
 @torch.no_grad()
-def reference_logprobs(
-    model, reference, input_ids, attention_mask, completion_len, temperature=1.0
-):
+def reference_logprobs(model, reference, input_ids, attention_mask, completion_len,
+                       temperature=1.0):
     """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter
     disabled."""
     if reference is not None:
@@ -281,32 +277,59 @@ def reference_logprobs(
 @dataclasses.dataclass
 class MicroBatch:
     """One token-bounded slice of a step's rows: their indices, packed ids and attention (B, P+W),
-    the completion mask (B, W), the sampler's log-probs in place (B, W) and π_ref's (B, W), each
-    None when not asked for."""
+    the completion mask (B, W), and on the mask (B, W): the sampler's log-probs, π_old's (the
+    trainer's own forward before any update) and π_ref's, each None when not asked for."""
 
     rows: list
     ids: torch.Tensor
     attn: torch.Tensor
     mask: torch.Tensor
+    sampler_logp: torch.Tensor = None
     old_logp: torch.Tensor = None
     ref_logp: torch.Tensor = None
 
 
-def scored_micro_batches(tokenizer, prompts, completions, old_logps, token_budget, device,
-                         model=None, reference=None, temperature=1.0):
-    """A step's rows as micro-batches of at most `token_budget` padded tokens (`micro_batches`),
-    each packed, with the sampler's log-probs (`old_logps`, one 1-D tensor per row, or None) placed
-    on its mask and, when `model` is given, π_ref's log-probs computed once (the frozen
-    `reference`, else `model` with its adapter off)."""
-    out = []
-    for rows in micro_batches(tokenizer, prompts, completions, token_budget):
+def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_budget, device,
+                         model=None, reference=None, temperature=1.0, with_reference=True,
+                         precision="auto", rows=None):
+    """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most `token_budget`
+    packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
+
+    Each is packed, with the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None)
+    placed on its mask. When `model` is given: π_old = the trainer's own no-grad forward of the same
+    ids in the same mode and precision as the update's (so an on-policy ratio is exactly 1: a bf16
+    `generate` rounds differently and stays a diagnostic only), and, with `with_reference`, π_ref
+    (the frozen `reference`, else `model` with its adapter off)."""
+    subset, out = list(range(len(prompts)) if rows is None else rows), []
+    for local in micro_batches(tokenizer, [prompts[r] for r in subset],
+                               [completions[r] for r in subset], token_budget):
+        rows = [subset[k] for k in local]
         ids, attn, mask = pack_completions(
             tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
-        old_logp = None if old_logps is None else place_logprobs(mask, [old_logps[r] for r in rows])
-        ref_logp = (None if model is None else
-                    reference_logprobs(model, reference, ids, attn, mask.shape[1], temperature))
-        out.append(MicroBatch(rows, ids, attn, mask, old_logp, ref_logp))
+        mb = MicroBatch(rows, ids, attn, mask)
+        if sampler_logps is not None:
+            mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])
+        if model is not None:
+            with torch.no_grad(), training_autocast(device, precision):
+                mb.old_logp = completion_logprobs(model, ids, attn, mask.shape[1], temperature)
+                if with_reference:
+                    mb.ref_logp = reference_logprobs(
+                        model, reference, ids, attn, mask.shape[1], temperature)
+        out.append(mb)
     return out
+
+
+def sampler_gap(batches):
+    """max_t |log π_old − log π_sampler| over a step's micro-batches: how far the trainer's forward
+    is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
+    return max((((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item()
+                for mb in batches), default=0.0)
+
+
+def check_finite(loss, step):
+    """A NaN or inf loss stops the run with one line instead of training on it."""
+    if not torch.isfinite(loss):
+        raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
 
 
 # ----------------------------------------------------------------------------- the KL term
@@ -327,21 +350,6 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     raise ValueError(f"kind must be k1, k2 or k3, got {kind!r}")
 
 
-def average_gradients(params, accelerator):
-    """g ← mean over ranks of each rank's accumulated g: what DDP's all-reduce computes, as one
-    collective per parameter per optimiser step, so ranks may run different numbers of
-    micro-batches (their rollouts differ in length) without a hang. A no-op in one process."""
-    if accelerator.num_processes == 1:
-        return
-    import torch.distributed as dist
-
-    for p in params:  # every rank reduces every parameter, in the same order
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad /= accelerator.num_processes
-
-
 # ----------------------------------------------------------------------------- devices and seeds
 
 
@@ -352,41 +360,15 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def setup_accelerator(device_name="auto"):
-    """Accelerate's process state → (accelerator, device). One process normally; under `accelerate
-    launch` or `torchrun`, one process per device in one process group (gradients: see
-    average_gradients). device_name "cpu" forces the CPU (gloo); "auto" takes cuda:<local rank>,
-    mps or cpu."""
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=device_name == "cpu")
-    return accelerator, accelerator.device
-
-
-def local_groups(num_groups, accelerator):
-    """This rank's contiguous block of the step's groups: range(lo, hi). Every member of a group
-    lands on the same rank, so its advantage (GRPO) is computed from the whole group there, as in
-    one process."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if num_groups % world:
-        raise SystemExit(
-            f"error: {num_groups} groups per step do not split evenly over {world} processes")
-    per_rank = num_groups // world
-    return range(rank * per_rank, (rank + 1) * per_rank)
-
-
-def sampling_seed(seed, step, stream):
-    """A seed for one stream of rollout noise at one step (a group, or a rank's share of the step):
-    distinct across streams, so no two ranks share noise, and recomputed from (seed, step) after a
-    resume."""
-    return (seed * 1_000_003 + step) * 100_003 + stream
-
-
-def training_autocast(device):
-    """bf16 autocast for forward passes on a GPU that supports it; a no-op elsewhere (CPU runs in
-    fp32)."""
+def training_autocast(device, precision="auto"):
+    """The forward passes' precision: "bf16" = bf16 autocast on any device (a CPU too, so tests run
+    the GPU's precision path); "auto" = bf16 on a GPU that supports it, else fp32; "fp32" = none.
+    Weights stay fp32 (master weights); only the matmuls run in bf16."""
     import contextlib
 
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be auto, bf16 or fp32, got {precision!r}")
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16" or (precision == "auto" and cuda_bf16):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -73,7 +73,7 @@ from accelerate.utils import gather_object
 
 import common
 from envs import digits, sd3
-from utils import cli, sweep, tracking
+from utils import cli, distributed, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -365,7 +365,7 @@ def train(args):
     """SDE rollouts → rewards → group advantages → per-step clipped ratio + β·KL, repeated."""
     validate(args)
     common.seed_everything(args.seed)
-    accelerator, device = common.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device)
     task = sd3.SD3Task(args, device) if args.model else digits.DigitsTask(args, device)
     cli.check_args([(args.prompts_per_epoch <= len(task.prompts), f"--prompts-per-epoch "
                         f"{args.prompts_per_epoch} > {len(task.prompts)} prompts available")])
@@ -375,7 +375,7 @@ def train(args):
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     ema = [p.detach().clone() for p in params] if args.ema else None
     # TRY NOT TO MODIFY: with N processes each rank keeps its block of groups (gradients: below)
-    mine = common.local_groups(args.prompts_per_epoch, accelerator)
+    mine = distributed.local_groups(args.prompts_per_epoch, accelerator)
     rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
     train_sigmas = schedule(args.train_steps, args.shift, device)
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
@@ -435,12 +435,11 @@ def train(args):
                 if m == 0:  # nothing updated yet: training must score what the rollout drew
                     dev = (logp.detach() - old_logp[j][chunk]).abs().max().item()
                     sampler_dev = max(sampler_dev, dev)
-                if not torch.isfinite(loss):
-                    raise SystemExit(f"error: non-finite loss at epoch {epoch}; lower --lr")
-                accelerator.backward(scaler.scale(loss * len(chunk) / len(batch) / trained_steps))
+                common.check_finite(loss, epoch)
+                scaler.scale(loss * len(chunk) / len(batch) / trained_steps).backward()
                 n_terms += 1
                 stats_sum = {k: stats_sum.get(k, 0.0) + value for k, value in stats.items()}
-            common.average_gradients(params, accelerator)  # the one collective of the step
+            distributed.average_gradients(params, accelerator)  # the one collective of the step
             # clip the true gradient; a step with inf/NaN gradients is skipped
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -67,7 +67,7 @@ import torch.nn as nn
 
 import common
 from envs import flowrl_tasks
-from utils import cli, sweep, tracking
+from utils import cli, distributed, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -94,13 +94,17 @@ class Args:
     steps: int = cli.arg(300, "rollout batches")
     prompts_per_step: int = cli.arg(4, "B, prompts per rollout batch")
     group_size: int = cli.arg(64, "G, samples per prompt (paper: 8)")
-    inner_steps: int = cli.arg(8, "optimiser steps per rollout batch")
+    inner_steps: int = cli.arg(8, "epochs over each rollout batch (--minibatches steps each)")
+    minibatches: int = cli.arg(
+        1, "disjoint mini-batches per rollout batch, one optimiser step each (π_old fixed)")
     max_new_tokens: int = cli.arg(3, "|y| cap")
     beta: float = cli.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (paper: 15)")
     reward_norm: str = cli.arg(
         "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"])
     clip_eps: float = cli.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
     lr: float = cli.arg(1e-3, "policy learning rate (paper: 1e-6)")
+    weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.1)")
+    warmup_steps: int = cli.arg(0, "optimiser steps of linear learning-rate warm-up (original: 10)")
     logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
     detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
     temperature: float = cli.arg(1.0, "rollout temperature (paper: 1.0)")
@@ -116,6 +120,10 @@ class Args:
     gen_batch: int = cli.arg(64, "prompts per `generate` call")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
+    mixed_precision: str = cli.arg(
+        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
+    timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all three --algo arms per seed, one table")
     out_dir: str = cli.arg("", "output folder (default runs/flowrl[-grpo|-grpo-kl])")
@@ -222,18 +230,16 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
 @torch.no_grad()
 def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eos):
     """G completions of each prompt → [(text, completion ids, sampler log-probs)], a group's G
-    contiguous.
+    contiguous, in one `generate` call per --gen-batch rows.
 
-    `generate` draws from torch's global RNG, so seeding it per group (not per process) makes a
-    group's samples the same whichever rank draws them: N processes sample exactly what one process
-    would."""
-    samples = []
-    for prompt, seed in zip(prompts, seeds):
-        torch.manual_seed(seed)
-        samples += common.sample_completions(
-            model, tokenizer, [prompt] * group_size, args.max_new_tokens, args.temperature,
-            stop_at_eos, args.gen_batch)
-    return samples
+    Each row draws from its own generator, seeded from its group's seed: a group's samples are the
+    same whichever rank draws them and whatever shares the call, so N processes sample exactly what
+    one process would."""
+    row_seeds = [seed * 1_000 + row for seed in seeds for row in range(group_size)]
+    return common.sample_completions(
+        model, tokenizer, [prompt for prompt in prompts for _ in range(group_size)],
+        args.max_new_tokens, args.temperature, stop_at_eos, args.gen_batch, args.mixed_precision,
+        row_seeds)
 
 
 def scalars(metrics, all_keys=False):
@@ -245,6 +251,25 @@ def scalars(metrics, all_keys=False):
 
 
 # ---------------------------------------------------------------------------------------- training
+
+
+def make_optimizer(model, head, args):
+    """AdamW over the policy (lr) and, under TB only, the log Z head (logz_lr) → (optimizer, the
+    trained parameters, which the gradient clip covers together as the original code does)."""
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
+    if args.algo == "flowrl":
+        groups.append({"params": list(head.parameters()), "lr": args.logz_lr})
+    for group in groups:
+        group["base_lr"] = group["lr"]
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    return optimizer, [p for group in groups for p in group["params"]]
+
+
+def warm_up(optimizer, update, args):
+    """Linear warm-up: lr = base_lr·min(1, (k+1)/K) at optimiser step k, K = --warmup-steps
+    (computed from k alone, so a resumed run continues it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * min(1.0, (update + 1) / max(1, args.warmup_steps))
 
 
 def validate(args):
@@ -277,28 +302,24 @@ def train(args):
     updates. Returns the final metrics with the first evaluation under "before"."""
     validate(args)
     common.seed_everything(args.seed)
-    accelerator, device = common.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
     tokenizer, model, task = flowrl_tasks.build(args, device)
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
-    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr}]
-    if args.algo == "flowrl":  # the log Z head learns only under TB
-        groups.append({"params": list(head.parameters()), "lr": args.logz_lr})
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    autocast = common.training_autocast(device)
+    optimizer, trained = make_optimizer(model, head, args)
+    autocast = common.training_autocast(device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
-    # groups and the gradients are averaged once per optimiser step (common.average_gradients).
-    trained = [p for group in groups for p in group["params"]]
-    mine = common.local_groups(args.prompts_per_step, accelerator)
+    # groups and the gradients are averaged once per optimiser step (distributed.average_gradients).
+    mine = distributed.local_groups(args.prompts_per_step, accelerator)
     name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
     out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
     run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
                        args.algo, ({"model": model, "head": head}, {"optimizer": optimizer},
                                    {"rollouts": gen}), args, accelerator.is_main_process)
-    main = accelerator.is_main_process  # only rank 0 evaluates and logs
-    first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args) if main else {}
+    main = accelerator.is_main_process  # every rank evaluates (sharded), rank 0 logs and writes
+    first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
     start, extra = run.resume()
     first, sampler_dev, final = extra.get("first", first), extra.get("sampler_dev", 0.0), {}
     for step in range(start, args.steps + 1):
@@ -306,20 +327,24 @@ def train(args):
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         picked = torch.randint(len(task.prompts), (args.prompts_per_step,), generator=gen)
         picked = picked[mine.start : mine.stop]
-        seeds = [common.sampling_seed(args.seed, step, g) for g in mine]
+        seeds = [distributed.sampling_seed(args.seed, step, g) for g in mine]
         idx = picked.repeat_interleave(args.group_size).tolist()
         prompts = [task.prompts[i] for i in idx]
         samples = sample_groups(model, tokenizer, [task.prompts[i] for i in picked],
                                 args.group_size, seeds, args, stop_at_eos=task.kind != "valleys")
         # 2. rewards r
         rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
-        # 3. micro-batches bounded by --micro-batch-tokens; π_ref's log-probs once (all but GRPO)
+        # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
+        #    π_old = the trainer's own no-grad forward before any update, π_ref once (not for GRPO)
         completions = [ids for _, ids, _ in samples]
-        token_count = max(1, sum(len(c) for c in completions))
-        with autocast:
-            batches = common.scored_micro_batches(
-                tokenizer, prompts, completions, [logp for _, _, logp in samples],
-                args.micro_batch_tokens, device, model if args.algo != "grpo" else None, ref_model)
+        model.train()
+        parts = [common.scored_micro_batches(
+            tokenizer, prompts, completions, [lp for _, _, lp in samples], args.micro_batch_tokens,
+            device, model, ref_model, with_reference=args.algo != "grpo",
+            precision=args.mixed_precision, rows=part)
+            for part in common.split_minibatches(len(samples), args.minibatches)]
+        batches = [mb for part in parts for mb in part]  # every row once, in order
+        sampler_dev = max(sampler_dev, common.sampler_gap(batches))
         # 4. what each objective learns from. TB: r̂ = the group-normalised reward (the paper) or r
         #    itself (DEVIATION 1). GRPO: A from r. GRPO-KL: A from r − log(π_old/π_ref)/(β·|y|),
         #    the sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
@@ -327,66 +352,66 @@ def train(args):
         reward_hat = (common.group_advantages(rewards, args.group_size) if normed else rewards)
         reward_hat = reward_hat.to(device)
         shaped = rewards if args.algo != "grpo-kl" else kl_regularised_reward(
-            rewards, torch.stack([lp.sum() for _, _, lp in samples]),  # micro-batches keep order:
-            torch.cat([(mb.ref_logp * mb.mask).sum(1) for mb in batches]).float().cpu(),
+            rewards, torch.cat([(mb.old_logp * mb.mask).sum(1) for mb in batches]).cpu(),
+            torch.cat([(mb.ref_logp * mb.mask).sum(1) for mb in batches]).cpu(),
             torch.tensor([max(1, len(c)) for c in completions]), args.beta)
         advantages = common.group_advantages(shaped, args.group_size).to(device)
-        # 5. inner_steps optimiser steps on this batch, gradients accumulated over the micro-batches
-        model.train()
+        # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
+        #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
         for inner in range(args.inner_steps):
-            optimizer.zero_grad()
-            for mb in batches:
-                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                with autocast:
-                    scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
-                        model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
-                logp, hidden = scored if args.algo == "flowrl" else (scored, None)
-                if inner == 0:  # not yet updated: training must score what the sampler drew
-                    sampler_dev = max(
-                        sampler_dev, ((logp.detach() - mb.old_logp) * mask).abs().max().item())
-                if args.algo == "flowrl":  # the TB residual, squared and weighted by w
-                    plen = ids.shape[1] - mask.shape[1]  # log Z_φ(x) from the prompt, (B,)
-                    log_z = head(hidden[:, :plen], attn[:, :plen].float(), args.detach_logz)
-                    weight = importance_weight(common.sequence_logprob(logp, mask),
-                                               common.sequence_logprob(mb.old_logp, mask),
-                                               args.clip_eps)
-                    loss, residual = trajectory_balance_loss(
-                        log_z, common.sequence_logprob(logp, mask, length_normalize=True),
-                        common.sequence_logprob(mb.ref_logp, mask, length_normalize=True),
-                        reward_hat[rows], args.beta, weight, num_rows=len(samples))
-                    stats = {"log_z": log_z.mean().item(), "w_mean": weight.mean().item(),
-                             "residual_abs": residual.abs().mean().item()}
-                else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                    loss, stats = grpo_loss(
-                        logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count)
-                if not torch.isfinite(loss):
-                    raise SystemExit(
-                        f"error: non-finite loss at step {step}; lower --lr or check the reward")
-                accelerator.backward(loss)
-            common.average_gradients(trained, accelerator)  # the one collective of the step
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            for m, part in enumerate(parts):
+                warm_up(optimizer, ((step - 1) * args.inner_steps + inner) * len(parts) + m, args)
+                optimizer.zero_grad()
+                num_rows = sum(len(mb.rows) for mb in part)
+                token_count = max(1, sum(int(mb.mask.sum()) for mb in part))
+                ratio_dev = 0.0  # max |ρ − 1| (FlowRL: |w − 1|): 0 on the first update
+                for mb in part:
+                    ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+                    with autocast:
+                        scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
+                            model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
+                    logp, hidden = scored if args.algo == "flowrl" else (scored, None)
+                    if args.algo == "flowrl":  # the TB residual, squared and weighted by w
+                        plen = ids.shape[1] - mask.shape[1]  # log Z_φ(x) from the prompt, (B,)
+                        log_z = head(hidden[:, :plen], attn[:, :plen].float(), args.detach_logz)
+                        weight = importance_weight(common.sequence_logprob(logp, mask),
+                                                   common.sequence_logprob(mb.old_logp, mask),
+                                                   args.clip_eps)
+                        loss, residual = trajectory_balance_loss(
+                            log_z, common.sequence_logprob(logp, mask, length_normalize=True),
+                            common.sequence_logprob(mb.ref_logp, mask, length_normalize=True),
+                            reward_hat[rows], args.beta, weight, num_rows=num_rows)
+                        stats = {"log_z": log_z.mean().item(), "w_mean": weight.mean().item(),
+                                 "residual_abs": residual.abs().mean().item()}
+                        ratio = weight
+                    else:  # the clipped surrogate pg_loss1/pg_loss2 on A
+                        loss, stats = grpo_loss(
+                            logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count)
+                        ratio = torch.exp((logp.detach() - mb.old_logp) * mask)
+                    ratio_dev = max(ratio_dev, (ratio - 1).abs().max().item())
+                    common.check_finite(loss, step)
+                    loss.backward()
+                first_dev = ratio_dev if inner == m == 0 else first_dev
+                distributed.average_gradients(trained, accelerator)  # the update's one collective
+                grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)  # log Z head included
+                optimizer.step()
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         rewards = accelerator.gather(rewards.to(device)).cpu()
-        record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                  "loss": loss.item(), "sampler_logprob_max_dev": sampler_dev,
-                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size), **stats}
-        if main and (step % args.eval_every == 0 or step == args.steps):
-            metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args)
+        record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), **stats,
+                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
+                  "loss": loss.item(), "grad_norm": grad_norm.item(), "sampler_logprob_max_dev":
+                  sampler_dev, "ratio_dev_first": first_dev, "ratio_dev_last": ratio_dev}
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
             final = metrics if step == args.steps else final
             record |= scalars(metrics)
         run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
 
-    if sampler_dev > 1e-3:
-        print(f"WARNING: training log-probs differ from the sampler's by up to {sampler_dev:.2e}")
-    if main and not final:  # resumed a finished run
-        final = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args)
-    summary = scalars(final, all_keys=True) | {"algo": args.algo, "sampler_logprob_max_dev":
-                                               sampler_dev, "before": scalars(first, all_keys=True)}
-    if task.kind == "valleys" and final:  # the row of `make demo`'s table
-        summary["claim"] = {"text": flowrl_tasks.CLAIMS[args.algo], "after":
-                            final["kl_policy_to_target"], "before": first["kl_policy_to_target"]}
+    if not final:  # resumed a finished run
+        final = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+    summary = flowrl_tasks.summary_of(scalars(first, all_keys=True), scalars(final, all_keys=True),
+                                      args, task) | {"sampler_logprob_max_dev": sampler_dev}
     plots = flowrl_tasks.run_plots(first, final, args, task, out_dir) if main else []
     if task.kind != "valleys" and main:  # the log Z head stays out of the exported model
         model.save_pretrained(out_dir / "policy")

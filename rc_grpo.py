@@ -67,7 +67,7 @@ from accelerate.utils import gather_object
 
 import common
 from envs import bfcl, bfcl_toy
-from utils import cli, models, sweep, tracking
+from utils import cli, distributed, models, sweep, tracking
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -114,6 +114,9 @@ class Args:
     gen_batch: int = cli.arg(64, "rollouts per `generate` call")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (bfcl preset: on)")
+    mixed_precision: str = cli.arg(
+        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all arms per seed, one table")
     out_dir: str = cli.arg("runs/rc_grpo", "output folder")
@@ -177,7 +180,8 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, tok
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
-        "kl": common.masked_mean(kl, mask).item()}
+        "kl": common.masked_mean(kl, mask).item(),
+        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item()}
     return loss, stats
 
 
@@ -206,14 +210,14 @@ def build_rctp_data(world, entries, args):
     return samples, len(failures)
 
 
-def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget):
+def supervised_finetune(world, samples, epochs, lr, batch, seed, token_budget, precision="auto"):
     """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1
     (RCTP-FT). Each batch of `batch` samples is one optimiser step, accumulated over token-bounded
     micro-batches."""
     model, tokenizer = world.model, world.tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    autocast = common.training_autocast(model.device)
+    autocast = common.training_autocast(model.device, precision)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
@@ -293,9 +297,9 @@ def grpo_arm(
     reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    autocast = common.training_autocast(model.device)
+    autocast = common.training_autocast(model.device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
-    mine = common.local_groups(args.tasks_per_step, accelerator)
+    mine = distributed.local_groups(args.tasks_per_step, accelerator)
     sampler_dev, zero_var, start = 0.0, [], 1
     state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
     # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
@@ -317,7 +321,7 @@ def grpo_arm(
         tokens = tokens[local]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
-            torch.manual_seed(common.sampling_seed(args.seed, step, accelerator.process_index))
+            torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
         # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action
         #    (RC-GRPO's reward)
         runs = bfcl.run_rollouts(
@@ -329,29 +333,28 @@ def grpo_arm(
         rows = [(s, a) for r, a in zip(runs, advantages) for s in r["steps"]]
         prompts, completions = [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows]
         token_count = max(1, sum(len(c) for c in completions))
-        # 4. one optimiser step, gradients accumulated over token-bounded micro-batches
+        # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; π_old =
+        #    the trainer's own no-grad forward before the update, π_ref once
         model.train()
+        batches = common.scored_micro_batches(
+            tokenizer, prompts, completions, [s["old_logp"] for s, _ in rows],
+            args.micro_batch_tokens, model.device, model, reference, args.temperature,
+            precision=args.mixed_precision)
+        sampler_dev = max(sampler_dev, common.sampler_gap(batches))
         optimizer.zero_grad()
-        with autocast:
-            batches = common.scored_micro_batches(
-                tokenizer, prompts, completions, [s["old_logp"] for s, _ in rows],
-                args.micro_batch_tokens, model.device, model, reference, args.temperature)
+        loss, stats = torch.zeros(()), {"ratio_dev": 0.0}
         for mb in batches:
             batch_adv = torch.tensor([rows[k][1] for k in mb.rows], device=model.device)  # (B,)
             with autocast:
                 logp = common.completion_logprobs(  # (B, W)
                     model, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
-            if step == 1:  # not yet updated: training must score what the sampler drew
-                sampler_dev = max(
-                    sampler_dev, ((logp.detach() - mb.old_logp) * mb.mask).abs().max().item())
             loss, stats = rc_grpo_loss(
                 logp, mb.old_logp, mb.ref_logp, batch_adv, mb.mask, args.clip_eps, args.beta,
                 token_count)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"error: non-finite loss at step {step} of {name}; lower --lr")
-            accelerator.backward(loss)
-        common.average_gradients(params, accelerator)  # the one collective of the step
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+            common.check_finite(loss, f"{step} of {name}")
+            loss.backward()
+        distributed.average_gradients(params, accelerator)  # the one collective of the step
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats stay rank
@@ -365,7 +368,7 @@ def grpo_arm(
             step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(),
             entropy=entropy, success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
             success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])),
-            sampler_logprob_max_dev=sampler_dev, **stats)
+            sampler_logprob_max_dev=sampler_dev, grad_norm=grad_norm.item(), **stats)
         last = step % args.save_every == 0 or step == args.steps if args.save_every else False
         if last and accelerator.is_main_process:
             tracking.save_training_state(
@@ -382,12 +385,13 @@ def train(args):
     arms = validate(args)
     start = time.time()
     common.seed_everything(args.seed)
-    accelerator, device = common.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device)
     if args.model:
         world = bfcl.build_bfcl(args, device)
     else:  # the toy's base model: a careless agent's trajectories on generic tasks
         world, base_data = bfcl_toy.build_toy(args, device, REWARD_TOKENS)
-        supervised_finetune(world, base_data, 8, 3e-3, 32, args.seed, args.micro_batch_tokens)
+        supervised_finetune(world, base_data, 8, 3e-3, 32, args.seed, args.micro_batch_tokens,
+                            args.mixed_precision)
     world.train, world.test = (bfcl.select_entries(e, args) for e in (world.train, world.test))
     cli.check_args(
         [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
@@ -405,7 +409,7 @@ def train(args):
                   for s in bfcl.trajectory_samples(world, e, None, e["ground_truth"])]
         supervised_finetune(
             world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
-            args.micro_batch_tokens)
+            args.micro_batch_tokens, args.mixed_precision)
         states["sft"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)
     if "rctp" in needed:
@@ -414,7 +418,7 @@ def train(args):
         samples, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
             world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed,
-            args.micro_batch_tokens)
+            args.micro_batch_tokens, args.mixed_precision)
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = evaluate(world, world.test, HIGH, args), evaluate(world, world.test, LOW, args)
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
@@ -454,8 +458,11 @@ def train(args):
                 ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")],
         )
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
-        if args.model and accelerator.is_main_process:
-            world.model.save_pretrained(out_dir / arm / "policy")
+        if (args.model or args.lora_rank) and accelerator.is_main_process:
+            # stage 1 is already in the weights: merging stage 2's adapter too saves the policy
+            # that was trained, a plain causal LM (LoRA runs train one arm, so it is the last)
+            policy = world.model.merge_and_unload() if args.lora_rank else world.model
+            policy.save_pretrained(out_dir / arm / "policy")
             world.tokenizer.save_pretrained(out_dir / arm / "policy")
     summary |= {
         "test_tasks": len(world.test), "wall_seconds": round(time.time() - start, 2),

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
+import rc_grpo  # noqa: E402
 from envs import sd3  # noqa: E402
-from utils import models  # noqa: E402
+from utils import distributed, models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -53,24 +54,52 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, device):
+def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budget, checkpointing):
+    """The job's planned peak memory, by parts (GiB): weights (fp32 master weights for a full
+    fine-tune, a bf16 base under LoRA), gradients and AdamW moments of the trained weights, the KV
+    cache of `generate`, and one micro-batch of `token_budget` tokens: its saved activations
+    (per layer only its input under checkpointing) and its completion logits (bf16, their fp32
+    copy for logsumexp, and that copy's gradient)."""
+    h, layers, inter, vocab = (config[k] for k in (
+        "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
+    per_layer = 4 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter
+    params = layers * per_layer + vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    trained = 2 * lora_rank * layers * (7 * h + 3 * inter) if lora_rank else params
+    seq = prompt_len + new_tokens
+    micro_rows = max(1, token_budget // seq)
+    layer_act = (12 * h + 4 * inter) * 2  # bytes per token of one layer's saved activations (bf16)
+    activations = micro_rows * seq * (layers * h * 2 + layer_act if checkpointing
+                                      else layers * layer_act)
+    gib = {"weights": params * (2 if lora_rank else 4), "grads_and_adam": trained * 12,
+           "kv_cache": rows * seq * layers * 2 * kv_heads * head_dim * 2,
+           "activations": activations, "logits": micro_rows * (new_tokens + 1) * vocab * 10}
+    gib = {k: round(v / 2**30, 2) for k, v in gib.items()}
+    return gib | {"total": round(sum(gib.values()), 2)}
+
+
+def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, token_budget,
+             checkpointing, device):
     """GRPO step as the scripts run it: fp32 master weights (LoRA: bf16 base, fp32 adapter) under
-    bf16 autocast, generate G completions per prompt, score only the completion, clipped loss, AdamW
-    step."""
+    bf16 autocast, generate G completions per prompt, then micro-batches of at most `token_budget`
+    tokens (the preset's), activation checkpointing as the preset sets it, the clipped loss on the
+    completion only, one AdamW step. Prints the planned peak first."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    n = prompts * group_size
+    plan = planned_peak_gib(config, lora_rank, n, prompt_len, new_tokens, token_budget,
+                            checkpointing)
+    print(json.dumps({"preset": name, "planned_peak_gib": plan}), flush=True)
     base_dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=base_dtype).to(device)
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+        model = models.add_lora(model, lora_rank)
     models.check_master_weights(model)
     autocast = common.training_autocast(device)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    n = prompts * group_size
     ids = torch.randint(config["vocab_size"], (n, prompt_len), device=device)
     sync(device)
     start = time.time()
@@ -80,20 +109,25 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     sync(device)
     gen_s = time.time() - start
-    attn, mask = torch.ones_like(seq), torch.ones(n, new_tokens, device=device)
-    start = time.time()
-    with autocast:
-        logp = common.completion_logprobs(model, seq, attn, new_tokens)
     advantages = common.group_advantages(torch.rand(n), group_size).to(device)
-    loss, _ = flowrl.grpo_loss(logp, logp.detach(), advantages, mask, 0.2, mask.sum())
-    loss.backward()
+    rows_per_mb = max(1, token_budget // seq.shape[1])
+    model.train()
+    start = time.time()
+    for lo in range(0, n, rows_per_mb):
+        chunk = seq[lo : lo + rows_per_mb]
+        mask = torch.ones(len(chunk), new_tokens, device=device)
+        with autocast:
+            logp = common.completion_logprobs(model, chunk, torch.ones_like(chunk), new_tokens)
+        loss, _ = flowrl.grpo_loss(
+            logp, logp.detach(), advantages[lo : lo + rows_per_mb], mask, 0.2, n * new_tokens)
+        loss.backward()
     optimizer.step()
     sync(device)
     train_s = time.time() - start
     gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
     flops = peak_flops(device)
     return {
-        "preset": name, "params": params, "samples": n,
+        "preset": name, "params": params, "samples": n, "micro_batch_rows": rows_per_mb,
         "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
         "train_tokens_per_s": round(train_tokens / train_s, 1),
         "gen_mfu": round(2 * params * gen_tokens / gen_s / flops, 4) if flops else None,
@@ -155,20 +189,31 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
         "update_images_per_s": round(images / (time.time() - start), 3)}
 
 
+def real_llm_jobs():
+    """(name, config, LoRA rank, prompts, G, prompt tokens, new tokens, micro-batch token budget,
+    checkpointing) of the two LLM jobs, budget and checkpointing from the presets themselves."""
+    full, bfcl = flowrl.PRESETS["full"], rc_grpo.PRESETS["bfcl"]
+    return [("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512,
+             full["micro_batch_tokens"], full["gradient_checkpointing"]),
+            ("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512,
+             bfcl["micro_batch_tokens"], bfcl["gradient_checkpointing"])]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware"
     )
+    parser.add_argument("--plan", action="store_true", help="print the real jobs' planned peaks")
     args = parser.parse_args()
-    _, device = common.setup_accelerator("auto")
+    _, device = distributed.setup_accelerator("auto")
     if args.tiny:
         small = dict(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512)
         jobs = [
-            lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, device),
-            lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, device),
+            lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, 60, True, device),
+            lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, 60, False, device),
             lambda: sd3_step(
                 dict(
                     sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
@@ -182,10 +227,13 @@ def main():
             ),
         ]
     else:
-        jobs = [
-            lambda: llm_step("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512, device),
-            lambda: llm_step("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512, device),
-            lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device)]
+        jobs = [lambda: llm_step(*real, device) for real in real_llm_jobs()]
+        jobs.append(lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device))
+    if args.plan:
+        for real in real_llm_jobs():
+            print(json.dumps({"preset": real[0], "planned_peak_gib": planned_peak_gib(
+                *real[1:3], real[3] * real[4], *real[5:])}))
+        return
     for job in jobs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -162,7 +162,9 @@ def build_toy(args, device):
     turns = [f"t{k}" for k in range(1, args.eval_max_turns + 2)]
     words = ["q", "k", "m", "p", "ok", "error", "A", "B", *ATTRIBUTES, *OPERATIONS, *TOY_TOOLS]
     tokenizer = models.make_tokenizer(words + turns)
-    planner = models.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+    planner = models.tiny_causal_lm(
+        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing)
+    planner = planner.to(device)
     return ToySystem(train, test, kb, tokenizer, planner)
 
 

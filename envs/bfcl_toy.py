@@ -82,7 +82,9 @@ def build_toy(args, device, special_tokens):
         "None", "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name",
         *TOY_DIRS, *TOY_FILES, *[repr(w) for w in TOY_DIRS + TOY_FILES]]
     tokenizer = models.make_tokenizer(words, special_tokens=special_tokens)
-    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed).to(device)
+    model = models.tiny_causal_lm(
+        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing)
+    model = model.to(device)
     world = bfcl.World(train, test, tokenizer, model, chat=False, end_text="done")
     rng = random.Random(args.seed)
     base_data = [

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import common
-from utils import models, tracking
+from utils import distributed, models, tracking
 
 
 SYMBOLS = list("abcd")
@@ -69,7 +69,8 @@ def build_toy(args):
     """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol
     strings."""
     tokenizer = models.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
-    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed)
+    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed,
+                                  gradient_checkpointing=args.gradient_checkpointing)
     table = toy_reward_table(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -230,18 +231,20 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
 
 
 @torch.no_grad()
-def avg_at_k(model, tokenizer, task, args):
+def avg_at_k(model, tokenizer, task, args, accelerator):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's
-    setup); with k = 1 at T = 0 it is greedy accuracy."""
-    prompts = [prompt for prompt, _ in task.eval_rows for _ in range(args.eval_k)]
-    answers = [answer for _, answer in task.eval_rows for _ in range(args.eval_k)]
+    setup); with k = 1 at T = 0 it is greedy accuracy. Sharded: each rank samples every N-th of
+    the k·|eval| rows and the scores are gathered, so no rank waits while another evaluates."""
+    from accelerate.utils import gather_object
+
+    rows = [(prompt, answer) for prompt, answer in task.eval_rows for _ in range(args.eval_k)]
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
     samples = common.sample_completions(
-        model, tokenizer, prompts, args.max_new_tokens, args.eval_temperature,
-        batch_rows=args.gen_batch)
-    return {
-        "avg_at_k": sum(score(task.kind, text, a) for (text, _, _), a in zip(samples, answers))
-        / len(samples)
-    }
+        model, tokenizer, [prompt for prompt, _ in mine], args.max_new_tokens,
+        args.eval_temperature, batch_rows=args.gen_batch, precision=args.mixed_precision)
+    scores = [score(task.kind, text, answer) for (text, _, _), (_, answer) in zip(samples, mine)]
+    scores = gather_object(scores) if accelerator.num_processes > 1 else scores
+    return {"avg_at_k": sum(scores) / len(scores)}
 
 
 @torch.no_grad()
@@ -253,10 +256,10 @@ def answer_spread(model, tokenizer, task, args):
     One seed for the whole measurement, so every arm of a seed starts from the same numbers."""
     out = {"spread_reward": 0.0, "distinct_correct": 0, "correct_entropy": 0.0, "counts": []}
     n = args.spread_samples
-    torch.manual_seed(common.sampling_seed(args.seed, 0, 0))  # step 0: never a training step
+    torch.manual_seed(distributed.sampling_seed(args.seed, 0, 0))  # step 0: never a training step
     replies = common.sample_completions(
         model, tokenizer, [prompt for prompt in task.prompts for _ in range(n)],
-        args.max_new_tokens, batch_rows=args.gen_batch)
+        args.max_new_tokens, batch_rows=args.gen_batch, precision=args.mixed_precision)
     for i, correct_set in enumerate(task.answers):
         found = (reply_integer(text, first=False) for text, _, _ in replies[i * n : (i + 1) * n])
         correct = [number for number in found if number in correct_set]
@@ -415,17 +418,28 @@ def build(args, device):
     return tokenizer, model.to(device), task
 
 
-def evaluate(model, ref_model, tokenizer, task, args):
+def evaluate(model, ref_model, tokenizer, task, args, accelerator):
     """What this task measures: the toy's exact metrics, the answer spread, or Avg@k ({} when the
-    task has no held-out rows). Leaves the model in training mode."""
+    task has no held-out rows). Every rank calls it: Avg@k is sharded, the others are computed
+    alike on every rank (exact, or one fixed seed). Leaves the model in training mode."""
     if task.kind == "valleys":
         metrics = exact_metrics(model, ref_model, tokenizer, task, args.beta)
     elif task.kind == "numbers":
         metrics = answer_spread(model, tokenizer, task, args)
     else:
-        metrics = avg_at_k(model, tokenizer, task, args) if task.eval_rows else {}
+        metrics = avg_at_k(model, tokenizer, task, args, accelerator) if task.eval_rows else {}
     model.train()
     return metrics
+
+
+def summary_of(first, final, args, task):
+    """summary.json's body: the final metrics, the first evaluation under "before", and on the toy
+    the row of `make demo`'s table (exact KL(π‖p*) before → after)."""
+    summary = final | {"algo": args.algo, "before": first}
+    if task.kind == "valleys" and final:
+        summary["claim"] = {"text": CLAIMS[args.algo], "after": final["kl_policy_to_target"],
+                            "before": first["kl_policy_to_target"]}
+    return summary
 
 
 def run_plots(first, final, args, task, out_dir):

@@ -9,6 +9,7 @@ trainable tensors to, so a recording AdamW captures them without touching the sc
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,10 +26,25 @@ class RecordingAdamW(torch.optim.AdamW):
         optimizers.append(self)
 
 
+def slow(evaluate, seconds):
+    """An evaluation that takes `seconds` longer (SLOW_EVAL_SECONDS): longer than the process
+    group's timeout, a rank that waits in a collective meanwhile would fail."""
+
+    def wrapped(*args, **kwargs):
+        time.sleep(seconds)
+        return evaluate(*args, **kwargs)
+
+    return wrapped
+
+
 if __name__ == "__main__":
     torch.optim.AdamW = RecordingAdamW
     script, prefix = sys.argv[1], sys.argv[2]
     module = importlib.import_module(script)
+    if os.environ.get("SLOW_EVAL_SECONDS"):
+        from envs import flowrl_tasks
+
+        flowrl_tasks.evaluate = slow(flowrl_tasks.evaluate, float(os.environ["SLOW_EVAL_SECONDS"]))
     module.train(cli.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
     params = [
         p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]

@@ -20,12 +20,12 @@ import ddp_driver
 import flow_grpo
 import flowrl
 from envs import digits, flowrl_tasks
-from utils import cli
+from utils import cli, distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_and_load(tmp_path, name, processes, flags):
+def train_and_load(tmp_path, name, processes, flags, env=None):
     """Each rank's trainable parameters after `flags` ran in `processes` processes (1: in this
     process)."""
     prefix, common_flags = (
@@ -50,7 +50,7 @@ def train_and_load(tmp_path, name, processes, flags):
         str(prefix), *flags[1:], *common_flags]
     # a hang (ranks in different collectives) fails the test instead of stalling the suite
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+                          env=os.environ | {"OMP_NUM_THREADS": "1"} | (env or {}))
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(tmp_path / f"{name}.rank{rank}.pt") for rank in range(processes)]
 
@@ -96,9 +96,9 @@ def test_groups_must_split_evenly_over_processes():
     class TwoRanks:
         num_processes, process_index = 2, 1
 
-    assert common.local_groups(4, TwoRanks()) == range(2, 4)
+    assert distributed.local_groups(4, TwoRanks()) == range(2, 4)
     with pytest.raises(SystemExit, match="do not split evenly over 2 processes"):
-        common.local_groups(5, TwoRanks())
+        distributed.local_groups(5, TwoRanks())
 
 
 def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path):
@@ -109,3 +109,22 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
              "--eval-every", "100", "--save-every", "0"]
     rank0, rank1 = train_and_load(tmp_path, "uneven", 2, flags)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
+
+
+def test_uneven_rc_grpo_ranks_finish_and_agree(tmp_path):
+    """RC-GRPO's dialogues differ in length per rank: with a small token budget the ranks run
+    different numbers of micro-batches and still end with the same weights."""
+    flags = ["rc_grpo", "--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60",
+             "--toy-test-tasks", "4", "--tasks-per-step", "4", "--failure-rollouts", "1",
+             "--micro-batch-tokens", "60", "--save-every", "0"]
+    rank0, rank1 = train_and_load(tmp_path, "uneven-rc", 2, flags)
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
+
+
+def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
+    """Every rank evaluates (sharded where it samples), so none waits in a collective while
+    another evaluates: each evaluation takes 8 s more, the process group gives up after 4 s."""
+    flags = ["flowrl", "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2",
+             "--group-size", "8", "--eval-every", "1", "--timeout", "4"]
+    rank0, rank1 = train_and_load(tmp_path, "slow-eval", 2, flags, {"SLOW_EVAL_SECONDS": "8"})
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import common
 import flow_grpo
 from envs import sd3
-from utils import cli
+from utils import cli, distributed
 from tiny_sd3 import save_tiny_sd3
 
 
@@ -242,7 +242,7 @@ def test_evaluation_runs_in_chunks_and_needs_a_held_out_file(tmp_path, tiny_sd3)
     # 9 images, chunks of 2
     args = sd3_args(tmp_path, tiny_sd3, "--eval-batch", "2", "--eval-per-prompt", "3")
     task = sd3.SD3Task(args, torch.device("cpu"))
-    accelerator, _ = common.setup_accelerator("cpu")
+    accelerator, _ = distributed.setup_accelerator("cpu")
     seen = []
     reward = task.reward
     task.reward = lambda images, batch: seen.append(len(batch)) or reward(images, batch)

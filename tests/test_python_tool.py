@@ -2,8 +2,10 @@
 below is checked from outside: no file appears anywhere we watch, no packet reaches a loopback
 listener, no process is left, no secret or gold answer is printed, and the trainer is untouched."""
 
+import ctypes
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,11 +14,12 @@ import pytest
 from envs import sandbox
 
 pytestmark = pytest.mark.skipif(
-    not sandbox.sandbox_isolates(), reason="needs root and util-linux unshare")
+    not sandbox.sandbox_isolates(), reason="needs bubblewrap")
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-123"
 GOLD = "gold-answer-9137"
+SHM_KEY = 0x5EED51
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,16 @@ def outside(tmp_path_factory):
     for s in (udp, tcp, udp6, unix):
         s.setblocking(False)
     os.environ["AGENTFLOW_SECRET"] = SECRET
+    # a key in the trainer's session keyring, and gold answers committed in a git repository
+    libc = ctypes.CDLL(None)
+    libc.syscall(248, b"user", b"agentflow", SECRET.encode(), len(SECRET), -3)  # add_key
+    subprocess.run(["git", "init", "-q", str(base / "repo")], check=True)
+    (base / "repo" / "gold.txt").write_text(GOLD)
+    subprocess.run(["git", "-C", str(base / "repo"), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "gold", "--allow-empty"], check=True)
+    subprocess.run(["git", "-C", str(base / "repo"), "add", "gold.txt"], check=True)
+    subprocess.run(["git", "-C", str(base / "repo"), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "gold"], check=True)
     yield {"dir": base, "udp": udp, "tcp": tcp, "udp6": udp6, "unix": unix, "pid": os.getpid()}
     del os.environ["AGENTFLOW_SECRET"]
 
@@ -87,11 +100,25 @@ def hostile_programs(o):
         "huge file": "open('big', 'wb').write(b'x' * 10**9)",
         "huge memory": "a = bytearray(8 * 10**9)",
         "endless loop": "while True: pass",
+        "setsid, then outlive the timeout": f"import os, time\nos.setsid()\ntime.sleep(4)\n"
+        f"open('{d}/late', 'w')",
+        "read the trainer's session keyring": "import ctypes; c = ctypes.CDLL(None)\n"
+        "k = c.syscall(250, 10, -3, b'user', b'agentflow', 0)\nb = ctypes.create_string_buffer(99)\n"
+        "c.syscall(250, 11, k, b, 99); print(b.value)",
+        "git show the committed gold": f"import os; os.execv('/usr/bin/git', "
+        f"['git', '-C', '{d}/repo', 'show', 'HEAD:gold.txt'])",
+        "write to /run/lock": "open('/run/lock/pwned_l', 'w')",
+        "SysV shared memory that outlives the run": "import ctypes\n"
+        f"print(ctypes.CDLL(None).shmget({SHM_KEY}, 1 << 20, 0o1666))",
+        "fill the disk": "\n".join(["for i in range(64):",
+                                     "    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))"]),
+        "a setuid helper": "import os; os.execv('/usr/bin/passwd', ['passwd', '-S', 'root'])",
     }
 
 
 def untouched(o, readme_before):
-    left = [p.name for p in o["dir"].iterdir() if p.name not in ("gold.jsonl", "unix.sock")]
+    left = [p.name for p in o["dir"].iterdir()
+            if p.name not in ("gold.jsonl", "unix.sock", "repo")]
     assert left == [], left
     assert (REPO / "README.md").read_bytes() == readme_before
     assert not Path("/dev/shm/pwned_k").exists() and not Path("/var/tmp/pwned_k").exists()
@@ -109,6 +136,8 @@ def untouched(o, readme_before):
             except FileNotFoundError:
                 pass
     assert sandbox.SANDBOX_UID not in owners  # no process of the sandbox is left
+    assert not Path("/run/lock/pwned_l").exists()
+    assert str(SHM_KEY) not in Path("/proc/sysvipc/shm").read_text()  # its IPC namespace is gone
 
 
 def test_hostile_programs_have_no_effect_outside(outside):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import common
 import rc_grpo
@@ -132,7 +133,8 @@ def scripted_world(monkeypatch, outputs):
     return bfcl.World([], [], tokenizer, None, chat=False, end_text="done")
 
 
-ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10, max_prompt_tokens=10**6)
+ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10, max_prompt_tokens=10**6,
+                               mixed_precision="fp32")
 
 
 def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(
@@ -160,7 +162,8 @@ def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(mon
     (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
-    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3, max_prompt_tokens=10**6)
+    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=3, max_prompt_tokens=10**6,
+                               mixed_precision="fp32")
     (run,) = bfcl.run_rollouts(
         scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
     # 4 > 3 steps in turn 0: abandoned
@@ -174,7 +177,7 @@ def test_a_dialogue_past_the_prompt_cap_is_abandoned_and_scored_as_it_stands(mon
     first = len(world.tokenizer(bfcl.render(world, bfcl.user_messages(world, entry, 0, None, None)),
                                 add_special_tokens=False)["input_ids"])
     capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10,
-                             max_prompt_tokens=first + 12)
+                             max_prompt_tokens=first + 12, mixed_precision="fp32")
     (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, capped)
     assert run["abandoned"] and 1 <= len(run["steps"]) < 10  # stopped by the cap, not the step cap
     assert run["calls_per_turn"][0][0] == "cd(folder='docs')" and run["reward"] == 0.0
@@ -331,9 +334,24 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     )
     # paper defaults, flags win
     assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2
-    summary = rc_grpo.train(args)
+    trained = {}
+
+    def spy(args, world, *rest):  # the trained policy's log-probs, before anything is saved
+        result = real_arm(args, world, *rest)
+        ids = torch.tensor([list(range(5, 25))])
+        trained["logp"] = common.completion_logprobs(world.model, ids, torch.ones_like(ids), 19)
+        return result
+
+    real_arm = rc_grpo.grpo_arm
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rc_grpo, "grpo_arm", spy)
+        summary = rc_grpo.train(args)
     assert summary["test_tasks"] == 2 and summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
-    assert (tmp_path / "run" / "rctp+rc-grpo" / "policy" / "adapter_config.json").exists()
+    # the saved policy is stage 1 + stage 2: reloaded, it scores what the trained one scored
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "rctp+rc-grpo" / "policy")
+    ids = torch.tensor([list(range(5, 25))])
+    reloaded = common.completion_logprobs(saved, ids, torch.ones_like(ids), 19)
+    assert (reloaded - trained["logp"]).abs().max() <= 1e-4
     # what the policy called on the first test entry, before and after, beside the expected calls
     shown = (tmp_path / "run" / "rollouts.txt").read_text()
     assert shown.startswith("base model:") and "after rctp+rc-grpo:" in shown

@@ -33,10 +33,10 @@ def make_tokenizer(words, special_tokens=()):
     return tokenizer
 
 
-def tiny_causal_lm(
-    vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512, seed=0
-):
-    """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size.
+def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512,
+                   seed=0, gradient_checkpointing=False):
+    """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size,
+    with activation checkpointing as the full-scale loader sets it (`load_causal_lm`).
 
     No EOS in its config: `generate` stops only where the caller passes one (see
     sample_completions).
@@ -49,8 +49,10 @@ def tiny_causal_lm(
         num_key_value_heads=max(1, num_heads // 2), max_position_embeddings=max_positions,
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
-    return clean_generation_config(
-        AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return clean_generation_config(model)
 
 
 def smollm2_checkpoint():

@@ -1,0 +1,80 @@
+"""What a first run on a real GPU depends on, checked on CPU: bf16 forwards with π_old from the
+trainer, activation checkpointing, token budgets that hold, and mini-batches that go off-policy."""
+
+import json
+import random
+
+import pytest
+
+import agentflow
+import common
+import flowrl
+import rc_grpo
+from utils import cli, models
+
+# one short run of each LLM script's toy: (module, flags, metrics file under out_dir)
+TOYS = {
+    "flowrl": (flowrl, ["--steps", "1", "--inner-steps", "1", "--eval-every", "100"],
+               "metrics.jsonl"),
+    "agentflow": (agentflow, ["--steps", "1", "--inner-steps", "1", "--warm-start-steps", "100",
+                              "--no-ablation", "--queries-per-step", "4", "--eval-every", "100"],
+                  "metrics.jsonl"),
+    "rc_grpo": (rc_grpo, ["--steps", "1", "--arms", "rctp+rc-grpo", "--toy-tasks", "60",
+                          "--toy-test-tasks", "5", "--tasks-per-step", "4", "--failure-rollouts",
+                          "1"], "rctp+rc-grpo/metrics.jsonl"),
+}
+
+
+def first_step(tmp_path, name, *extra):
+    module, flags, metrics = TOYS[name]
+    args = cli.parse_args(module.Args, module.PRESETS,
+                          [*flags, *extra, "--quiet", "--out-dir", str(tmp_path)])
+    module.train(args)
+    return json.loads((tmp_path / metrics).read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("name", list(TOYS))
+def test_on_policy_ratio_is_exactly_one_under_bf16(tmp_path, name):
+    """bf16 autocast on the CPU (the GPU's precision path): π_old is the trainer's own forward, so
+    the first update's ratio is exactly 1, while the sampler's gap is still reported."""
+    step = first_step(tmp_path, name, "--mixed-precision", "bf16")
+    assert step.get("ratio_dev_first", step.get("ratio_dev")) == 0.0
+    assert step["sampler_logprob_max_dev"] > 0  # generate's bf16 rounding, a diagnostic only
+
+
+@pytest.mark.parametrize("name", list(TOYS))
+def test_gradient_checkpointing_gives_the_same_gradient(tmp_path, name):
+    plain = first_step(tmp_path / "off", name, "--no-gradient-checkpointing")
+    recomputed = first_step(tmp_path / "on", name, "--gradient-checkpointing")
+    assert plain["grad_norm"] > 0
+    assert abs(recomputed["grad_norm"] - plain["grad_norm"]) <= 1e-5 * plain["grad_norm"]
+
+
+def test_the_second_mini_batch_is_off_policy(tmp_path):
+    """With two mini-batches the second is scored after the first update: w ≠ 1 there, w = 1 on the
+    first (FlowRL's importance weight acts only across mini-batches)."""
+    step = first_step(tmp_path, "flowrl", "--minibatches", "2")
+    assert step["ratio_dev_first"] == 0.0 and step["ratio_dev_last"] > 1e-3
+
+
+def test_micro_batches_never_exceed_their_token_budget():
+    """Property: over random prompt and completion lengths, each micro-batch as packed (rows ×
+    (longest prompt + longest completion)) fits the budget, unless it is one over-long row."""
+    rng = random.Random(0)
+    tokenizer = models.make_tokenizer([f"w{i}" for i in range(50)])
+    for trial in range(200):
+        rows = rng.randint(1, 12)
+        prompts = [" ".join(f"w{rng.randrange(50)}" for _ in range(rng.randint(1, 40)))
+                   for _ in range(rows)]
+        completions = [[5] * rng.randint(0, 30) for _ in range(rows)]
+        budget = rng.randint(1, 300)
+        batches = common.scored_micro_batches(tokenizer, prompts, completions, None, budget, "cpu")
+        assert sorted(r for mb in batches for r in mb.rows) == list(range(rows))
+        for mb in batches:
+            assert mb.ids.numel() <= budget or len(mb.rows) == 1, (trial, mb.ids.shape, budget)
+
+
+def test_minibatches_split_rows_disjointly():
+    parts = common.split_minibatches(10, 4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2] and sum(parts, []) == list(range(10))
+    assert common.split_minibatches(1, 3) == [[0], [], []]  # every rank still takes 3 steps
