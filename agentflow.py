@@ -288,13 +288,13 @@ def warm_start(system, demos, args):
         optimizer.step()
 
 
-def evaluate(system, queries, args, accelerator):
+def evaluate(system, queries, args, accelerator=None):
     """Greedy rollouts with the evaluation turn cap → ({accuracy, mean turns, tool error rate},
-    this rank's rollouts). Sharded: each rank rolls out every N-th query and the numbers are
-    gathered, so every rank evaluates and none waits in a collective meanwhile."""
+    this rank's rollouts). Sharded over the accelerator's ranks (none: one process): each rolls out
+    every N-th query and the numbers are gathered, so none waits in a collective meanwhile."""
     from accelerate.utils import gather_object
 
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     trajectories = run_agent(
         queries[rank::world], system, planner_sampler(system, 0.0, args), args.eval_max_turns)
     numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])

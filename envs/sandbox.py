@@ -83,7 +83,8 @@ def bwrap_command(python, prefixes, code_fd, memory_mb, timeout, hidden):
           for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]),
         "--file", str(code_fd), f"{WORK}/main.py",
         "--chdir", WORK, "--", python, "-I", "-c", SANDBOX_BOOT, str(memory_mb),
-        str(int(timeout) + 1), "1", python, str(SANDBOX_UID), str(KEYCTL.get(platform.machine(), 0))]
+        str(int(timeout) + 1), "1", python, str(SANDBOX_UID),
+        str(KEYCTL.get(platform.machine(), 0))]
 
 
 def sandbox_isolates():

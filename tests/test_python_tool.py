@@ -103,8 +103,8 @@ def hostile_programs(o):
         "setsid, then outlive the timeout": f"import os, time\nos.setsid()\ntime.sleep(4)\n"
         f"open('{d}/late', 'w')",
         "read the trainer's session keyring": "import ctypes; c = ctypes.CDLL(None)\n"
-        "k = c.syscall(250, 10, -3, b'user', b'agentflow', 0)\nb = ctypes.create_string_buffer(99)\n"
-        "c.syscall(250, 11, k, b, 99); print(b.value)",
+        "k = c.syscall(250, 10, -3, b'user', b'agentflow', 0)\n"
+        "b = ctypes.create_string_buffer(99); c.syscall(250, 11, k, b, 99); print(b.value)",
         "git show the committed gold": f"import os; os.execv('/usr/bin/git', "
         f"['git', '-C', '{d}/repo', 'show', 'HEAD:gold.txt'])",
         "write to /run/lock": "open('/run/lock/pwned_l', 'w')",
@@ -196,3 +196,12 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
         link.unlink()
         shutil.rmtree(tmp_path / "venv")
     assert done.stdout.strip() == "('42', True)", done.stdout + done.stderr[-500:]
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.makedirs('/'.join(['d'] * 1200))",  # a cleanup that used to recurse too deep
+    "import os, time\nos.setsid()\nwhile True: open('x', 'w').write('y')",  # keeps writing
+])
+def test_no_program_makes_the_tool_raise(code):
+    output, ok = sandbox.python_tool(code, timeout=2)
+    assert isinstance(output, str) and ok is False
