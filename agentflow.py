@@ -23,17 +23,21 @@ Equation map (paper → function):
 Deviations (numbered, on purpose):
     1. Turn-samples are averaged token-wise over the whole batch (common `token-mean`, as the
        official verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as the paper's objective writes.
-    2. The toy's executor, verifier and generator are deterministic rules (documented at
-       `build_toy`); at full scale they are the base model with the LoRA adapter disabled, as the
-       paper's frozen modules.
+    2. The toy's modules are deterministic rules (`build_toy`); at full scale the query analyser,
+       executor, verifier and generator are the base model with the LoRA adapter off (the paper's
+       frozen modules), which also writes the query analysis the planner reads.
     3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale:
        exact/numeric match.
-    4. Full-scale loop against the official system: the planner, executor, verifier and generator
-       prompts are short paraphrases of the official ones with the same fields (the planner writes
-       `Sub-Goal:` and `Tool:`, read in any case; the executor gets the question, the sub-goal and
-       the memory so far as its context); tools are a sandboxed Python runner, TF-IDF retrieval over
-       a local corpus and the base model, instead of web search, Wikipedia and a hosted coder; the
-       verifier sees the whole memory.
+    4. Full-scale prompts are short paraphrases of the original ones (the planner sees the question,
+       the query analysis, the tools, the memory and "step k of at most N", and writes `Sub-Goal:`
+       and `Tool:`; the executor sees the question, the sub-goal and the memory); the tools are a
+       sandboxed Python runner, TF-IDF retrieval over a local corpus and the base model, instead of
+       web search, Wikipedia and a hosted coder.
+    5. The full preset (table in docs/agentflow.md) trains a LoRA adapter (`--lora-rank` 64, so one
+       GPU holds planner and frozen modules) at `--lr` 1e-5, 10× the paper's full fine-tuning rate
+       (the LoRA/full ratio of "LoRA Without Regret", Schulman et al. 2025), and normalises over
+       the G trajectories (`--group-norm trajectory`, the paper's) where the original code
+       normalises over all turn rows.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy ~0.58 → 0.79–1.0; final-turn credit ~0.39
@@ -81,6 +85,7 @@ class Args:
     temperature: float = cli.arg(1.0, "rollout temperature (paper: 0.7); eval is greedy")
     clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (paper: 0.2)")
     clip_eps_high: float = cli.arg(0.3, "ε_high (paper: 0.3)")
+    dual_clip: float = cli.arg(0.0, "cap the loss at c·|A| where A < 0 (0 = off; original: 3)")
     beta: float = cli.arg(0.001, "β of the k3 KL to the reference (paper: 0.001)")
     lr: float = cli.arg(1e-3, "planner learning rate (paper: 1e-6)")
     weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.01)")
@@ -126,15 +131,13 @@ class Args:
     resume: bool = cli.arg(False, "continue each arm from its checkpoint.safetensors")
 
 
-# Paper setup: G = 8, batch 32 queries, lr 1e-6, KL 0.001 (k3), clip 0.2/0.3,
-# temperature 0.7 in training and greedy at evaluation, 3 training turns. Qwen2.5-7B-Instruct with
-# LoRA. The paper's lr 1e-6 is for full fine-tuning; with LoRA it is ×10, the LoRA/full-FT
-# learning-rate ratio measured in "LoRA Without Regret" (Schulman et al., Thinking Machines 2025).
+# The original recipe, each value beside the original one in docs/agentflow.md (DEVIATION 5).
 PRESETS = {
     "full": dict(
         model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
-        inner_steps=1, max_new_tokens=256, temperature=0.7, lr=1e-5, lora_rank=64, ablation=False,
-        eval_every=25, micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)
+        inner_steps=1, minibatches=8, max_new_tokens=2048, temperature=0.7, lr=1e-5,
+        weight_decay=0.01, dual_clip=3.0, lora_rank=64, ablation=False, eval_every=25,
+        micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)
 }
 
 
@@ -166,19 +169,19 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     return torch.cat(rows)
 
 
-def flow_grpo_loss(
-    logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta, token_count
-):
+def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta,
+                   token_count, dual_clip=0.0):
     """The paper's Flow-GRPO objective as a loss, per planner token t of every turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts
-    the step's planner tokens (DEVIATION 1: token-mean), so micro-batches add up to the one-shot
-    loss."""
+    the mini-batch's planner tokens (DEVIATION 1: token-mean), so micro-batches add up to the
+    one-shot loss; `dual_clip` c > 0 caps the loss at c·|A| where A < 0 (verl's dual clip)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
+    pg_loss = common.dual_clip(pg_loss, advantages[:, None], dual_clip)
     kl = common.kl_penalty(logp, ref_logp, "k3")
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
@@ -199,16 +202,13 @@ class Memory:
     entries: list = dataclasses.field(default_factory=list)
 
     def add(self, tool, subgoal, command, result, ok):
-        self.entries.append(
-            {
-                "step": len(self.entries) + 1, "tool": tool, "subgoal": subgoal, "command": command,
-                "result": result, "ok": ok}
-        )
+        self.entries.append({"step": len(self.entries) + 1, "tool": tool, "subgoal": subgoal,
+                             "command": command, "result": result, "ok": ok})
 
 
 def run_agent(queries, system, plan, max_turns):
-    """One rollout per query: plan → execute → verify, until STOP or `max_turns`, then generate
-    (AgentFlow's system).
+    """One rollout per query: analyse the query, then plan → execute → verify until STOP or
+    `max_turns`, then generate (AgentFlow's system).
 
     `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
     planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler
@@ -216,11 +216,12 @@ def run_agent(queries, system, plan, max_turns):
     """
     memories = [Memory() for _ in queries]
     trajectories = [{"query": q, "turns": [], "verdicts": []} for q in queries]
-    active = list(range(len(queries)))
-    for _ in range(max_turns):
+    active, analyses = list(range(len(queries))), system.analyse(queries)
+    for turn in range(max_turns):
         if not active:
             break
-        prompts = [system.planner_prompt(queries[i], memories[i]) for i in active]
+        prompts = [system.planner_prompt(queries[i], memories[i], analyses[i], turn + 1, max_turns)
+                   for i in active]
         outputs = plan(prompts)
         calls = []
         for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
@@ -231,11 +232,8 @@ def run_agent(queries, system, plan, max_turns):
                 calls.append((i, tool, subgoal))
             except ValueError as err:  # a malformed plan is an observation, never a crash
                 memories[i].add("none", text.strip(), "", f"error: {err}", ok=False)
-        executed = (
-            system.execute([(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls])
-            if calls
-            else []
-        )
+        executed = system.execute(
+            [(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls]) if calls else []
         for (i, tool, subgoal), (command, result, ok) in zip(calls, executed):
             memories[i].add(tool, subgoal, command, result, ok)
         stops = system.verify([(queries[i], memories[i]) for i in active])
@@ -295,6 +293,7 @@ def evaluate(system, queries, args, accelerator=None):
     from accelerate.utils import gather_object
 
     world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
+    system.frozen_temperature = 0.0  # every module greedy at evaluation (the original's)
     trajectories = run_agent(
         queries[rank::world], system, planner_sampler(system, 0.0, args), args.eval_max_turns)
     numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
@@ -374,6 +373,7 @@ def train_arm(args, system, out_dir, accelerator):
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
             torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
+        system.frozen_temperature = args.temperature  # frozen modules sample as the planner does
         trajectories = run_agent(queries, system, plan, args.max_turns)
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (the Flow-GRPO objective)
@@ -409,7 +409,7 @@ def train_arm(args, system, out_dir, accelerator):
                             planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
                     loss, stats = flow_grpo_loss(
                         logp, mb.old_logp, mb.ref_logp, advantages, mb.mask, args.clip_eps,
-                        args.clip_eps_high, args.beta, token_count)
+                        args.clip_eps_high, args.beta, token_count, args.dual_clip)
                     common.check_finite(loss, step)
                     loss.backward()
                     last_dev = max(last_dev, stats["ratio_dev"])  # max |ρ − 1| of this update

@@ -31,8 +31,9 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
     rewards: flat (B·G,) tensor, the G samples of one prompt next to each other.
     scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages
-    match the libraries a reader will compare against; scale="global": the std of the whole batch
-    (the official image Flow-GRPO's `global_std`); scale="none": Dr. GRPO, A = r − mean_g. A group
+    match the libraries a reader will compare against; scale="global": the population std of the
+    whole batch (the official image Flow-GRPO's `global_std`, np.std); scale="none": Dr. GRPO, A = r
+    − mean_g. A group
     whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so it carries
     no policy gradient and never a NaN.
     """
@@ -45,7 +46,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     if scale == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
     elif scale == "global":
-        centered = centered / (grouped.std() + eps)
+        centered = centered / (grouped.std(unbiased=False) + eps)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'global' or 'none', got {scale!r}")
     flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
@@ -301,6 +302,8 @@ def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_b
     `generate` rounds differently and stays a diagnostic only), and, with `with_reference`, π_ref
     (the frozen `reference`, else `model` with its adapter off)."""
     subset, out = list(range(len(prompts)) if rows is None else rows), []
+    if not subset:  # an empty mini-batch (fewer rows than mini-batches)
+        return out
     for local in micro_batches(tokenizer, [prompts[r] for r in subset],
                                [completions[r] for r in subset], token_budget):
         rows = [subset[k] for k in local]
@@ -333,6 +336,15 @@ def check_finite(loss, step):
 
 
 # ----------------------------------------------------------------------------- the KL term
+
+
+def dual_clip(pg_loss, advantages, c):
+    """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): where A < 0 the per-token loss
+    max(−ρA, −clip(ρ)A) is capped at −c·A, so one huge ratio on a bad sample cannot dominate the
+    step. advantages: (B, 1) or broadcastable; c = 0 leaves the loss unchanged."""
+    if not c:
+        return pg_loss
+    return torch.where(advantages < 0, torch.minimum(pg_loss, -c * advantages), pg_loss)
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):

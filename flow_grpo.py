@@ -27,21 +27,20 @@ Deviations and choices (numbered; "official" = the authors' released code):
        ratio is then a per-dimension geometric mean, and the clip range is correspondingly tiny
        (1e-4 for SD3).
     2. The KL on the means divides by σ_t² as the official code does (its sd3 train script), not by
-       the paper's s² = σ_t²·|dt|: with 10 steps |dt| is 0.04–0.14 at shift 3, so the paper's form
-       weighs each step's KL 7–25× more and β = 0.01/0.04 would mean something else.
+       the paper's s² = σ_t²·|dt|: with 10 steps at shift 3, |dt| over the trained steps is
+       0.040–0.269, so the paper's form weighs each step's KL 3.7–25× more.
     3. "Per-prompt stat tracking" = one group per prompt: every batch draws distinct prompts, so
        each group is one prompt's G samples. `--adv-std global` (official SD3 configs) divides by
-       the std of the whole gathered batch; `group` by each group's own.
+       the population std of the whole gathered batch, as the original; `group` by each group's.
     4. The toy trains the whole (tiny) velocity MLP with a frozen copy as reference; SD3 trains LoRA
        and its reference is the same transformer with the adapter disabled, as official.
-    5. CFG: both halves go through the trained transformer with gradient (the official SD3 script
-       does the same; one forward on the doubled batch).
+    5. CFG: both halves go through the trained transformer with gradient, as the original script
+       did before its 2025-07-15 version (since then it detaches the unconditional half).
     6. Rollouts run in the training micro-batch shape (`--micro-batch` rows), so rollout and
-       training pick the same kernels and the on-policy ratio stays 1 (logged:
-       sampler_logprob_max_dev).
-    Official defaults exposed as flags (sd3 preset): --adv-std global, --ema 0.9 (evaluation and
-    saved weights), --drop-zero-advantage, T5 length 128, VAE and timestep in fp32, PickScore
-    through CLIP's image processor on uint8 images.
+       training pick the same kernels and the on-policy ratio stays 1 (sampler_logprob_max_dev).
+    7. The sd3 preset (table in docs/flow_grpo.md) runs `--mixed-precision auto` (bf16; the original
+       prefers fp16, also offered, with a GradScaler), and `--drop-zero-advantage` drops samples
+       with A = 0 without padding the batch back to its size as the original does.
 
 Precision (NOTE): bf16 autocast on GPUs that support it (`--mixed-precision auto`); fp16 only with a
 GradScaler, since the per-step gradients are ~1e-9 at high noise and underflow in fp16 (measured in
@@ -138,9 +137,7 @@ class Args:
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
 
 
-# Official SD3.5-Medium recipe, one-GPU preset: 512 px, 10/40 steps, a = 0.7, CFG 4.5, shift 3, G 8
-# × 8 prompts, clip 1e-4, adv clip 5, lr 3e-4, LoRA r 32 / α 64, β 0.01 for PickScore, global std,
-# EMA 0.9, zero-A dropped.
+# The original SD3.5-Medium one-GPU recipe, each value beside the original in docs/flow_grpo.md.
 PRESETS = {
     "sd3": dict(
         model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", epochs=300,
@@ -321,6 +318,15 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
     return metrics, images
 
 
+@torch.no_grad()
+def ema_update(ema, params, decay, step, every=8):
+    """The original code's EMA of the trained weights: at every `every`-th optimiser step s,
+    ema ← d·ema + (1 − d)·θ with the warm-up d = min(decay, (1 + s)/(10 + s))."""
+    if ema is not None and (step + 1) % every == 0:
+        for average, p in zip(ema, params):
+            average.lerp_(p.detach(), 1 - min(decay, (1 + step) / (10 + step)))
+
+
 @contextlib.contextmanager
 def swapped(params, ema):
     """Inside the block the EMA values stand in for `params` (nothing changes when ema is None)."""
@@ -373,7 +379,7 @@ def train(args):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # official wd, clip 1.0
     fp16 = bool(args.model) and task.dtype == torch.float16  # fp16 only with loss scaling (NOTE)
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-    ema = [p.detach().clone() for p in params] if args.ema else None
+    ema = torch.nn.ParameterList([p.detach().clone() for p in params]) if args.ema else None
     # TRY NOT TO MODIFY: with N processes each rank keeps its block of groups (gradients: below)
     mine = distributed.local_groups(args.prompts_per_epoch, accelerator)
     rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
@@ -383,15 +389,15 @@ def train(args):
     out_dir, toy = Path(args.out_dir), not args.model
     gen = torch.Generator().manual_seed(args.seed)
     run = tracking.Run(out_dir, dataclasses.asdict(args), args.epochs,
-                       "flow_grpo", ({"policy": task.policy}, {"optimizer": optimizer},
-                                     {"rollouts": gen}), args, accelerator.is_main_process)
+                       "flow_grpo", ({"policy": task.policy} | ({"ema": ema} if ema else {}),
+                                     {"optimizer": optimizer}, {"rollouts": gen}), args,
+                       accelerator.is_main_process)
     velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond)
     with swapped(params, ema):
         before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
     start, extra = run.resume()
     before, sampler_dev = extra.get("before", before), extra.get("sampler_dev", 0.0)
-    if start > 1 and args.ema:
-        ema = [p.detach().clone() for p in params]
+    updates = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
     for epoch in range(start, args.epochs + 1):
         # ALGO LOGIC
         # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank draws
@@ -445,8 +451,8 @@ def train(args):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(optimizer)
             scaler.update()
-            for average, p in zip(ema or [], params):  # official: an EMA of the LoRA weights
-                average.lerp_(p.detach(), 1 - args.ema)
+            ema_update(ema, params, args.ema, updates)
+            updates += 1
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         record = {
@@ -458,7 +464,7 @@ def train(args):
             with swapped(params, ema):
                 metrics, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)
             record |= {f"eval_{k}": v for k, v in metrics.items()}
-        run.log(epoch, record, {"before": before, "sampler_dev": sampler_dev})
+        run.log(epoch, record, {"before": before, "sampler_dev": sampler_dev, "updates": updates})
 
     if sampler_dev > 1e-5:
         print(f"WARNING: training log-probs differ from the rollout's by up to {sampler_dev:.2e}")

@@ -40,6 +40,14 @@ Deviations (numbered, on purpose):
        reward r − log(π_old(y|x)/π_ref(y|x))/(β·|y|). Its optimum is the same p* (maximising E[r] −
        KL(π‖π_ref)/(β·|y|) gives π ∝ π_ref·exp(β·|y|·r)), so it separates "match a target" from
        "match it with trajectory balance".
+    7. The full preset (table in docs/flowrl.md) keeps the original schedule — 16 optimiser steps on
+       disjoint mini-batches of each rollout batch (`--minibatches`), so w acts from the second one —
+       at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32 prompts)
+       and `--max-new-tokens` 1024 (original 8k); `--model` Qwen2.5-1.5B (original 7B/32B).
+    8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
+       truncation, so what it draws is what the trainer scores.
+    9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token), and
+       the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 23–24 of 24 answers kept
@@ -102,6 +110,7 @@ class Args:
     reward_norm: str = cli.arg(
         "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"])
     clip_eps: float = cli.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
+    dual_clip: float = cli.arg(0.0, "GRPO arms: cap the loss at c·|A| where A < 0 (0 = off)")
     lr: float = cli.arg(1e-3, "policy learning rate (paper: 1e-6)")
     weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.1)")
     warmup_steps: int = cli.arg(0, "optimiser steps of linear learning-rate warm-up (original: 10)")
@@ -138,15 +147,15 @@ class Args:
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
 
 
-# Paper recipe: G = 8, β = 15, lr 1e-6, group-normalised r̂, temperature 1.0 for
-# rollouts and 0.6 for Avg@16. 8k-token responses do not fit one GPU with 8 samples; 1024 here.
-# With inner_steps = 1 every sample is on-policy, so w ≡ 1: the clip matters only with --inner-steps
-# > 1.
+# The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
+# for the policy and log Z, weight decay 0.1, 10 warm-up steps, group-normalised r̂, temperature 1.0
+# for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch (DEVIATION 7).
 PRESETS = {
     "full": dict(
-        task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=8,
-        group_size=8, inner_steps=1, max_new_tokens=1024, beta=15.0, reward_norm="group", lr=1e-6,
-        logz_lr=1e-6, eval_k=16, eval_every=50, micro_batch_tokens=8192, gen_batch=16,
+        task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=32,
+        group_size=8, inner_steps=1, minibatches=16, max_new_tokens=1024, beta=15.0,
+        reward_norm="group", lr=1e-6, logz_lr=1e-6, weight_decay=0.1, warmup_steps=10, eval_k=16,
+        dual_clip=3.0, eval_every=50, micro_batch_tokens=8192, gen_batch=64,
         gradient_checkpointing=True),
     # A real pretrained model on a laptop CPU: SmolLM2-135M-Instruct (bundled by a registry package,
     # no download), full fine-tuning in fp32. Greedy accuracy on the 64 held-out sums is Avg@1 at
@@ -210,16 +219,16 @@ def kl_regularised_reward(rewards, logp_sum, ref_logp_sum, lengths, beta):
     return rewards - (logp_sum - ref_logp_sum) / (beta * lengths)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count):
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip=0.0):
     """The baseline's clipped surrogate (GRPO): L = −Σ_t min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) /
-    N_tokens.
+    N_tokens, with the dual clip at c·|A| for A < 0 when c > 0 (verl's).
 
-    ρ_t = exp(logp − old_logp) per token; N_tokens counts the step's completion tokens (token-mean),
-    so micro-batches add up to the one-shot loss. Returns (loss, stats)."""
+    ρ_t = exp(logp − old_logp) per token; N_tokens counts the mini-batch's completion tokens
+    (token-mean), so micro-batches add up to the one-shot loss. Returns (loss, stats)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch
+    pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], dual_clip)
     stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item()}
     return (pg_loss * mask).sum() / token_count, stats
 
@@ -386,7 +395,8 @@ def train(args):
                         ratio = weight
                     else:  # the clipped surrogate pg_loss1/pg_loss2 on A
                         loss, stats = grpo_loss(
-                            logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count)
+                            logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count,
+                            args.dual_clip)
                         ratio = torch.exp((logp.detach() - mb.old_logp) * mask)
                     ratio_dev = max(ratio_dev, (ratio - 1).abs().max().item())
                     common.check_finite(loss, step)

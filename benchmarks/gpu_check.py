@@ -55,8 +55,9 @@ def sync(device):
 
 
 def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budget, checkpointing):
-    """The job's planned peak memory, by parts (GiB): weights (fp32 master weights for a full
-    fine-tune, a bf16 base under LoRA), gradients and AdamW moments of the trained weights, the KV
+    """The preset's planned peak memory, by parts (GiB): weights (fp32 master weights for a full
+    fine-tune, a bf16 base under LoRA), gradients and AdamW moments of the trained weights, the
+    frozen reference (a full fine-tune's copy; under LoRA the adapter is switched off), the KV
     cache of `generate`, and one micro-batch of `token_budget` tokens: its saved activations
     (per layer only its input under checkpointing) and its completion logits (bf16, their fp32
     copy for logsumexp, and that copy's gradient)."""
@@ -72,6 +73,7 @@ def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budg
     activations = micro_rows * seq * (layers * h * 2 + layer_act if checkpointing
                                       else layers * layer_act)
     gib = {"weights": params * (2 if lora_rank else 4), "grads_and_adam": trained * 12,
+           "reference": 0 if lora_rank else params * 4,  # the preset's frozen fp32 copy
            "kv_cache": rows * seq * layers * 2 * kv_heads * head_dim * 2,
            "activations": activations, "logits": micro_rows * (new_tokens + 1) * vocab * 10}
     gib = {k: round(v / 2**30, 2) for k, v in gib.items()}

@@ -87,9 +87,11 @@ def answers_match(prediction, answer):
 
 @dataclasses.dataclass
 class ToolSystem:
-    """Full scale: the planner is an HF model with LoRA; executor, verifier and generator are the
-    same model with the adapter off, greedy (the paper's frozen modules, DEVIATION 2). Tools: Python
-    (sandboxed), retrieval over a local corpus, and the base generator."""
+    """Full scale: the planner is an HF model with LoRA; the query analyser, executor, verifier and
+    generator are the same model with the adapter off (the paper's frozen modules), sampled at
+    `frozen_temperature`: the training temperature in training, 0 (greedy) at evaluation, as the
+    original code does. Tools: Python (sandboxed), retrieval over a local corpus, and the base
+    generator."""
 
     train: list
     test: list
@@ -100,27 +102,37 @@ class ToolSystem:
     max_new_tokens: int
     gen_batch: int
     hidden_files: tuple
+    frozen_temperature: float = 0.0  # set by the training loop and by evaluate
 
     def chat(self, text):
         return self.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
     def frozen(self, prompts, max_new_tokens=None):
-        """The frozen modules: base weights (adapter off), greedy."""
+        """The frozen modules: base weights (adapter off), sampled at `frozen_temperature`."""
         with self.planner.disable_adapter():
             out = common.sample_completions(
                 self.planner, self.tokenizer, [self.chat(p) for p in prompts],
-                max_new_tokens or self.max_new_tokens, 0.0, batch_rows=self.gen_batch)
+                max_new_tokens or self.max_new_tokens, self.frozen_temperature,
+                batch_rows=self.gen_batch)
         return [text for text, _, _ in out]
 
-    def planner_prompt(self, query, memory):
+    def analyse(self, queries):
+        """The query analysis the planner reads before every step (the original planner's first
+        call): what the question asks and which skills and tools would help. Written by the frozen
+        model, so it is never a trained turn."""
+        return self.frozen([
+            f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\nAnalyse the question in "
+            "two sentences: what it asks, and which skills and tools would help." for q in queries])
+
+    def planner_prompt(self, query, memory, analysis, step, max_turns):
         tools = "\n".join(
             f"- {name}: {desc} Input: {fmt}." for name, (desc, fmt) in FULL_TOOLS.items()
         )
         return self.chat(
-            f"Question: {query['question']}\nTools:\n{tools}\nMemory:\n{render_memory(memory)}\n"
-            "Plan the next step. Reply exactly:\n"
-            "Sub-Goal: <what to find out next>\nTool: <tool name>"
+            f"Question: {query['question']}\nQuery analysis: {analysis.strip()}\nTools:\n{tools}\n"
+            f"Memory:\n{render_memory(memory)}\nThis is step {step} of at most {max_turns}. Plan "
+            "the next step. Reply exactly:\nSub-Goal: <what to find out next>\nTool: <tool name>"
         )
 
     def parse_plan(self, text):

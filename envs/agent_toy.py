@@ -90,7 +90,11 @@ class ToySystem:
     tokenizer: object
     planner: object
 
-    def planner_prompt(self, query, memory):
+    def analyse(self, queries):
+        """The toy has no query analysis: its prompt's slots already are one."""
+        return [""] * len(queries)
+
+    def planner_prompt(self, query, memory, analysis="", step=1, max_turns=1):
         """(q, K, M^t) as tokens in fixed slots: `q <attr> <op> <attr> k <tools> t<turn>`, then the
         memory (results summarised as ok/error). Entities stay with the executor, so every word
         the planner must copy sits at the same position on every question."""

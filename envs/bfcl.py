@@ -155,7 +155,6 @@ class BFCLEnv:
         )
 
         self.instances, self.methods, self.stateless = {}, {}, set()
-        hidden = {n for names in entry.get("missed_function", {}).values() for n in names}
         for cls in entry["involved_classes"]:
             instance = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[cls]), cls)()
             if cls not in STATELESS_CLASSES:
@@ -168,13 +167,6 @@ class BFCLEnv:
                     self.methods[name] = method
                     if cls in STATELESS_CLASSES:
                         self.stateless.add(name)
-        self.hidden = {n: self.methods.pop(n) for n in hidden if n in self.methods}
-
-    def reveal(self, names):
-        """miss_func: the held-out functions become callable on the turn the data says."""
-        for name in names:
-            if name in self.hidden:
-                self.methods[name] = self.hidden.pop(name)
 
     def execute(self, calls):
         """Run parsed calls in order; each result (or error) as a string, as BFCL shows it to the
@@ -182,8 +174,10 @@ class BFCLEnv:
 
         A call gets CALL_SECONDS: stateless backends (MathAPI) run in a forked child that is killed
         at the limit (`power(9, 999999999)` is all literals and C-level work no in-process timer can
-        stop); stateful ones run here under a SIGALRM timer. Results are cut at MAX_RESULT_CHARS.
-        Over a limit → an error observation; the rollout goes on."""
+        stop); stateful ones run here under a SIGALRM timer. Results come back whole (the checker
+        compares them so; `observation` cuts what the model reads). miss_func's held-out functions
+        are callable throughout, as in the official harness: only their descriptions wait for their
+        turn. Over the time limit → an error observation; the rollout goes on."""
         results = []
         for name, args, kwargs in calls:
             if name not in self.methods:
@@ -203,7 +197,7 @@ class BFCLEnv:
 
     def bound_arguments(self, name, args, kwargs):
         """{parameter: value} for a call, so positional and keyword spellings compare equal."""
-        method = self.methods.get(name) or self.hidden.get(name)
+        method = self.methods.get(name)
         try:
             return dict(inspect.signature(method).bind(*args, **kwargs).arguments)
         except (TypeError, ValueError, AttributeError):
@@ -213,13 +207,19 @@ class BFCLEnv:
 CALL_SECONDS = 2.0  # per backend call
 
 
-MAX_RESULT_CHARS = 4000  # per call result
+MAX_RESULT_CHARS = 4000  # per call result, in what the model reads (observation)
 
 
 def format_result(out):
-    """A backend's return value as the model sees it (dicts as JSON), cut at MAX_RESULT_CHARS."""
-    text = out if isinstance(out, str) else json.dumps(out) if isinstance(out, dict) else str(out)
-    return text[:MAX_RESULT_CHARS]
+    """A backend's return value as text, as the official harness writes it: strings as they are,
+    dicts as JSON or, when JSON cannot encode them (an mpf, a Decimal), with str(); the rest
+    str()."""
+    if isinstance(out, dict):
+        try:
+            return json.dumps(out)
+        except (TypeError, ValueError):
+            return str(out)
+    return out if isinstance(out, str) else str(out)
 
 
 def run_timed(method, args, kwargs):
@@ -245,7 +245,7 @@ def run_timed(method, args, kwargs):
 
 def run_forked(method, args, kwargs):
     """Call a stateless backend method in a forked child, killed after CALL_SECONDS; its text comes
-    back through a pipe (at most MAX_RESULT_CHARS)."""
+    back through a pipe."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, write, exit without running the parent's cleanup
@@ -254,7 +254,9 @@ def run_forked(method, args, kwargs):
             text = format_result(method(*args, **kwargs))
         except BaseException as err:
             text = f"Error during execution: {format_result(str(err))}"
-        os.write(write_end, text.encode("utf-8", "replace")[: 4 * MAX_RESULT_CHARS])
+        data = text.encode("utf-8", "replace")
+        while data:
+            data = data[os.write(write_end, data):]
         os._exit(0)
     os.close(write_end)
     chunks, deadline = [], time.monotonic() + CALL_SECONDS
@@ -276,9 +278,7 @@ def replay(entry, calls_per_turn, on_turn=None):
     """Execute a trajectory's calls turn by turn in a fresh env; `on_turn(turn, env, results)` after
     each."""
     env = BFCLEnv(entry)
-    revealed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
     for turn, calls in enumerate(calls_per_turn):
-        env.reveal(revealed.get(turn, []))
         results = []
         for call in calls:
             try:
@@ -480,17 +480,18 @@ def call_text(world, call):
     return "[" + call + "]" if world.chat else toy_call_text(call)
 
 
-def observation(world, text):
-    """Tool results as the model reads them."""
+def observation(world, results):
+    """Tool results as the model reads them: each cut at MAX_RESULT_CHARS, the whole at 2 000
+    characters (the checker compares them whole)."""
+    text = "\n".join(r[:MAX_RESULT_CHARS] for r in results)
     return text[:2000] if world.chat else toy_observation(text)
 
 
-def user_messages(world, entry, turn, goal, env):
+def user_messages(world, entry, turn, goal):
     """The messages that open user turn `turn`; miss_func's held-out docs arrive on the turn the
     data says."""
     revealed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
     if turn in revealed:
-        env.reveal(revealed[turn])
         _, later = function_docs(entry)
         return [{"role": "user", "content": json.dumps(later[turn]) + "\n" + world.reveal_message}]
     messages = [dict(m) for m in entry["question"][turn]]
@@ -535,7 +536,7 @@ def run_rollouts(world, entries, goals, temperature, args):
                 "done": False,
                 "calls_per_turn": [[] for _ in entry["question"]],
                 "messages": system_messages(world, entry)
-                + user_messages(world, entry, 0, goal, env),
+                + user_messages(world, entry, 0, goal),
             }
         )
     while active := [r for r in runs if not r["done"]]:
@@ -561,14 +562,13 @@ def run_rollouts(world, entries, goals, temperature, args):
                 results = run["env"].execute(calls)
                 run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
                 run["messages"].append(
-                    {"role": "tool", "content": observation(world, "\n".join(results))})
+                    {"role": "tool", "content": observation(world, results)})
                 run["turn_steps"] += 1
                 run["done"] = run["turn_steps"] > args.max_steps  # BFCL's force-quit
                 continue
             run["turn"], run["turn_steps"] = run["turn"] + 1, 0
             if run["turn"] < len(run["entry"]["question"]):
-                run["messages"] += user_messages(
-                    world, run["entry"], run["turn"], run["goal"], run["env"])
+                run["messages"] += user_messages(world, run["entry"], run["turn"], run["goal"])
             else:
                 run["done"] = True
     for run in runs:
@@ -589,7 +589,7 @@ def trajectory_samples(world, entry, goal, steps_per_turn):
     messages = system_messages(world, entry)
     samples, tokenizer = [], world.tokenizer
     for turn in range(len(entry["question"])):
-        messages += user_messages(world, entry, turn, goal, env)
+        messages += user_messages(world, entry, turn, goal)
         calls = steps_per_turn[turn] if turn < len(steps_per_turn) else []
         for text in [call_text(world, c) for c in calls] + [world.end_text]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -597,5 +597,5 @@ def trajectory_samples(world, entry, goal, steps_per_turn):
             messages.append({"role": "assistant", "content": text})
             if text != world.end_text:
                 results = env.execute(parse_calls(text))
-                messages.append({"role": "tool", "content": observation(world, "\n".join(results))})
+                messages.append({"role": "tool", "content": observation(world, results)})
     return samples

@@ -219,3 +219,31 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)
     system.execute([({"question": "q"}, "retrieve", "check it", memory)])
     assert "Paris is the capital" in seen[0] and "check it" in seen[0]
+
+
+def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch):
+    """The full system: the frozen model analyses each query first; every planner prompt carries
+    that analysis and "step k of at most N"; in training the frozen modules sample at the planner's
+    temperature, at evaluation greedily (the original's)."""
+    model = tiny_planner(tmp_path)
+    args = cli.parse_args(agentflow.Args, agentflow.PRESETS, [
+        "--preset", "full", "--model", str(model), "--data", str(tmp_path / "qa.jsonl"),
+        "--lora-rank", "4", "--max-new-tokens", "4", "--device", "cpu"])
+    system = agent_tools.build_full(args, torch.device("cpu"))
+    temperatures = []
+
+    def frozen(self, prompts, max_new_tokens=None):
+        temperatures.append(self.frozen_temperature)
+        return ["ANALYSIS-" + str(i) if p.startswith("Question") and "Analyse" in p else "STOP"
+                for i, p in enumerate(prompts)]
+
+    monkeypatch.setattr(agent_tools.ToolSystem, "frozen", frozen)
+    plan = agentflow.planner_sampler(system, 1.0, args)
+    system.frozen_temperature = args.temperature
+    (trajectory,) = agentflow.run_agent(system.train[:1], system, plan, 3)
+    prompt = trajectory["turns"][0]["prompt"]
+    assert "Query analysis: ANALYSIS-0" in prompt and "step 1 of at most 3" in prompt
+    assert set(temperatures) == {0.7}
+    temperatures.clear()
+    agentflow.evaluate(system, system.train[:1], args)
+    assert set(temperatures) == {0.0}

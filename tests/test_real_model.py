@@ -51,7 +51,8 @@ def flowrl_flags(group_size):
     return [
         "flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
         "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
-        "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing"]
+        "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing",
+        "--minibatches", "2"]
 
 
 def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(smollm2, tmp_path):
@@ -60,6 +61,9 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(
     assert small["sampler_logprob_max_dev"] <= 1e-3
     start = load_file(smollm2 / "model.safetensors")
     assert moved(start, tmp_path / "g4" / "policy" / "model.safetensors") > 0
+    # the preset's mini-batch schedule: w = 1 on the first mini-batch, w ≠ 1 on the second
+    step = json.loads((tmp_path / "g4" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["ratio_dev_first"] == 0 and step["ratio_dev_last"] > 0
     flags = flowrl_flags(8)
     large = run(flags[0], tmp_path / "g8", *flags[1:])
     # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger

@@ -42,7 +42,8 @@ def summary(folder):
             ["--steps", "8", "--group-size", "8", "--eval-every", "8", "--save-every", "2"]),
         (
             "flow_grpo.py",
-            ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3"],
+            ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12", "--save-every", "3",
+             "--ema", "0.9"],  # the EMA (evaluated and saved weights) continues across the resume
         ),
         (
             "agentflow.py",
