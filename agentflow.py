@@ -232,8 +232,8 @@ def run_agent(queries, system, plan, max_turns):
                 calls.append((i, tool, subgoal))
             except ValueError as err:  # a malformed plan is an observation, never a crash
                 memories[i].add("none", text.strip(), "", f"error: {err}", ok=False)
-        executed = system.execute(
-            [(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls]) if calls else []
+        asked = [(queries[i], tool, subgoal, memories[i]) for i, tool, subgoal in calls]
+        executed = system.execute(asked) if asked else []
         for (i, tool, subgoal), (command, result, ok) in zip(calls, executed):
             memories[i].add(tool, subgoal, command, result, ok)
         stops = system.verify([(queries[i], memories[i]) for i in active])

@@ -40,14 +40,14 @@ Deviations (numbered, on purpose):
        reward r − log(π_old(y|x)/π_ref(y|x))/(β·|y|). Its optimum is the same p* (maximising E[r] −
        KL(π‖π_ref)/(β·|y|) gives π ∝ π_ref·exp(β·|y|·r)), so it separates "match a target" from
        "match it with trajectory balance".
-    7. The full preset (table in docs/flowrl.md) keeps the original schedule — 16 optimiser steps on
-       disjoint mini-batches of each rollout batch (`--minibatches`), so w acts from the second one —
-       at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32 prompts)
-       and `--max-new-tokens` 1024 (original 8k); `--model` Qwen2.5-1.5B (original 7B/32B).
+    7. The full preset (table in docs/flowrl.md) keeps the original schedule, 16 optimiser steps
+       on disjoint mini-batches of each rollout batch (`--minibatches`; w acts from the second),
+       at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32
+       prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B (original 7B/32B).
     8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
        truncation, so what it draws is what the trainer scores.
-    9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token), and
-       the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
+    9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token),
+       and the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 23–24 of 24 answers kept
@@ -394,9 +394,8 @@ def train(args):
                                  "residual_abs": residual.abs().mean().item()}
                         ratio = weight
                     else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                        loss, stats = grpo_loss(
-                            logp, mb.old_logp, advantages[rows], mask, args.clip_eps, token_count,
-                            args.dual_clip)
+                        loss, stats = grpo_loss(logp, mb.old_logp, advantages[rows], mask,
+                                                args.clip_eps, token_count, args.dual_clip)
                         ratio = torch.exp((logp.detach() - mb.old_logp) * mask)
                     ratio_dev = max(ratio_dev, (ratio - 1).abs().max().item())
                     common.check_finite(loss, step)

@@ -209,7 +209,7 @@ def build_rctp_data(world, entries, args):
     high, low = reward_goal(HIGH), reward_goal(LOW)
     trajectories = [bfcl.trajectory_samples(world, e, high, e["ground_truth"]) for e in experts]
     for run in failures:
-        trajectories.append(bfcl.trajectory_samples(world, run["entry"], low, run["calls_per_turn"]))
+        trajectories += [bfcl.trajectory_samples(world, run["entry"], low, run["calls_per_turn"])]
     return trajectories, len(failures)
 
 
