@@ -29,7 +29,9 @@ import torch
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """A_i = (r_i − mean_g) / (std_g + ε) over contiguous groups of `group_size` (GRPO).
 
-    rewards: flat (B·G,) tensor, the G samples of one prompt next to each other.
+    rewards: flat (B·G,) tensor, the G samples of one prompt next to each other. ε = 1e-4 as the
+    official image Flow-GRPO (verl's default is 1e-6; either is negligible beside a std of 0/1
+    rewards, and an all-equal group is handled exactly below).
     scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages
     match the libraries a reader will compare against; scale="global": the population std of the
     whole batch (the official image Flow-GRPO's `global_std`, np.std); scale="none": Dr. GRPO, A = r

@@ -53,8 +53,8 @@ Deviations (numbered, on purpose):
        rolls out in hours.
 
 Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
-    python rc_grpo.py     # zero-variance fraction ~0.91 (SFT+GRPO) vs ~0.53 (RCTP+RC-GRPO),
-                          # ε ≥ 0.5; held-out accuracy ~0.87 for both arms on most seeds
+    python rc_grpo.py     # zero-variance fraction ~0.92 (SFT+GRPO) vs ~0.40 (RCTP+RC-GRPO),
+                          # ε ≥ 0.86; held-out accuracy ~0.88 for both arms on most seeds
     python rc_grpo.py --seeds 0-4 --arms sft+grpo,rctp+rc-grpo   # five seeds, one table
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (data-parallel, docs/full_scale.md):
@@ -98,7 +98,8 @@ class Args:
     sft_lr: float = cli.arg(3e-3, "stage-1 learning rate (paper: 1e-5)")
     sft_epochs: int = cli.arg(2, "SFT baseline epochs (paper: 2)")
     rctp_epochs: int = cli.arg(5, "RCTP-FT epochs (paper: 5)")
-    sft_batch: int = cli.arg(2, "stage-1 batch in trajectories (paper: 16)")
+    sft_batch: int = cli.arg(
+        16, "stage-1 batch: trajectories at full scale (paper: 16), single steps on the toy")
     failure_rollouts: int = cli.arg(4, "base-model rollouts per train task to find failures")
     max_steps: int = cli.arg(6, "model steps per user turn (BFCL: 20)")
     max_prompt_tokens: int = cli.arg(
@@ -140,8 +141,7 @@ class Args:
         False, "continue each GRPO arm from its checkpoint (stage 1 is recomputed: deterministic)")
 
 
-# The paper's recipe, each value beside the paper's in docs/rc_grpo.md (DEVIATION 8).
-PRESETS = {
+PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo.md (DEVIATION 8)
     "bfcl": dict(
         model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
         lr=1e-5, sft_lr=1e-4, sft_batch=16, failure_rollouts=2, max_steps=20, max_new_tokens=256,
@@ -411,8 +411,8 @@ def train(args):
     shown = ["base model:\n" + format_calls(world, world.test[0], None, args)]
     needed = {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
-        expert = [bfcl.trajectory_samples(world, e, None, e["ground_truth"])
-                  for e in world.train if e.get("demonstrated", True)]
+        expert = bfcl.stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
+                                    for e in world.train if e.get("demonstrated", True)], args)
         supervised_finetune(
             world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
             args.micro_batch_tokens, args.mixed_precision)
@@ -423,8 +423,8 @@ def train(args):
             world.model.load_state_dict(states["base"])
         samples, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world, samples, args.rctp_epochs, args.sft_lr, args.sft_batch, args.seed,
-            args.micro_batch_tokens, args.mixed_precision)
+            world, bfcl.stage1_units(samples, args), args.rctp_epochs, args.sft_lr, args.sft_batch,
+            args.seed, args.micro_batch_tokens, args.mixed_precision)
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}

@@ -156,6 +156,8 @@ class ToolSystem:
                 for q, tool, goal, m in calls
             ]
         )
+        asked = [command for (_, tool, _, _), command in zip(calls, commands) if tool == "generate"]
+        generated = iter(self.frozen(asked) if asked else [])  # the generate tool: one batch
         results = []
         for (query, tool, goal, _), command in zip(calls, commands):
             if tool == "python":
@@ -171,7 +173,7 @@ class ToolSystem:
             elif tool == "retrieve":
                 results.append((command, self.retrieve(command), True))
             else:
-                results.append((command, self.frozen([command])[0], True))
+                results.append((command, next(generated), True))
         return results
 
     def verify(self, items):

@@ -576,6 +576,12 @@ def run_rollouts(world, entries, goals, temperature, args):
     return runs
 
 
+def stage1_units(trajectories, args):
+    """What one stage-1 batch counts: trajectories at full scale, as the paper; single assistant
+    steps on the toy (`--model ''`), whose stage 1 was tuned and measured that way."""
+    return trajectories if args.model else [[s] for t in trajectories for s in t]
+
+
 def trajectory_samples(world, entry, goal, steps_per_turn):
     """(prompt, completion ids) for each assistant step of a scripted trajectory: the stage-1 data.
 
