@@ -53,8 +53,8 @@ Deviations (numbered, on purpose):
        rolls out in hours.
 
 Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
-    python rc_grpo.py     # zero-variance fraction ~0.92 (SFT+GRPO) vs ~0.40 (RCTP+RC-GRPO),
-                          # ε ≥ 0.86; held-out accuracy ~0.88 for both arms on most seeds
+    python rc_grpo.py     # zero-variance fraction ~0.91 (SFT+GRPO) vs ~0.53 (RCTP+RC-GRPO),
+                          # ε ≥ 0.5; held-out accuracy ~0.87 for both arms on most seeds
     python rc_grpo.py --seeds 0-4 --arms sft+grpo,rctp+rc-grpo   # five seeds, one table
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (data-parallel, docs/full_scale.md):
