@@ -196,7 +196,8 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
         link.unlink()
         shutil.rmtree(tmp_path / "venv")
     # the program ran in that venv (under /tmp, which the sandbox otherwise replaces by a tmpfs)
-    assert done.stdout.strip() == str((tmp_path / "venv").resolve()), done.stdout + done.stderr[-500:]
+    ran_in = done.stdout.strip()
+    assert ran_in == str((tmp_path / "venv").resolve()), ran_in + done.stderr[-500:]
 
 
 @pytest.mark.parametrize("code", [

