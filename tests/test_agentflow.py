@@ -134,8 +134,8 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
 @pytest.mark.slow
 def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
     s = agentflow.train(toy_args(tmp_path, "--seed", "1"))
-    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.20 (seed 4) and the
-    # smallest lead over final-turn credit 0.365 (seed 4); the test asks for half of each or less.
+    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.22 (seed 4) and the
+    # smallest lead over final-turn credit 0.35 (seed 4); the test asks for half of each or less.
     assert s["accuracy_after"] >= s["accuracy_before"] + 0.1
     assert s["accuracy_after"] >= s["accuracy_final_turn_credit"] + 0.15
 
