@@ -40,7 +40,7 @@ Deviations (numbered, on purpose):
        normalises over all turn rows.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
-    python agentflow.py               # held-out accuracy ~0.58 → 0.81–1.0; final-turn credit ~0.41
+    python agentflow.py               # held-out accuracy ~0.58 → 0.81-1.0; final-turn ~0.41
     python agentflow.py --seeds 0-4   # the same on five seeds, one table
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl

@@ -40,7 +40,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     no policy gradient and never a NaN.
     """
     if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} ≥ 2")
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} >= 2")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf; fix the reward function (no silent NaN)")
     grouped = rewards.float().view(-1, group_size)  # (B, G)
@@ -233,9 +233,9 @@ def pack_completions(tokenizer, prompts, completions, device):
 
 
 def micro_batches(tokenizer, prompts, completions, token_budget):
-    """Split rows into consecutive micro-batches whose packed size, rows × (longest prompt + longest
-    completion) as `pack_completions` pads them, stays within `token_budget`, so a step's peak
-    memory does not grow with the number of rollouts. A row longer than the budget gets a
+    """Split rows into consecutive micro-batches whose packed size, rows x (longest prompt +
+    longest completion) as `pack_completions` pads them, stays within `token_budget`, so a step's
+    peak memory does not grow with the number of rollouts. A row longer than the budget gets a
     micro-batch of its own. Returns lists of row indices."""
     prompt_lens = [len(p) for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
     batches, current, widest_prompt, widest_completion = [], [], 0, 0
@@ -299,10 +299,10 @@ def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_b
     packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
 
     Each is packed, with the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None)
-    placed on its mask. When `model` is given: π_old = the trainer's own no-grad forward of the same
-    ids in the same mode and precision as the update's (so an on-policy ratio is exactly 1: a bf16
-    `generate` rounds differently and stays a diagnostic only), and, with `with_reference`, π_ref
-    (the frozen `reference`, else `model` with its adapter off)."""
+    placed on its mask. When `model` is given: π_old = the trainer's own no-grad forward of the
+    same ids in the same mode and precision as the update's (so an on-policy ratio is exactly 1: a
+    bf16 `generate` rounds differently and stays a diagnostic only), and, with `with_reference`,
+    π_ref (the frozen `reference`, else `model` with its adapter off)."""
     subset, out = list(range(len(prompts)) if rows is None else rows), []
     if not subset:  # an empty mini-batch (fewer rows than mini-batches)
         return out
@@ -325,8 +325,8 @@ def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_b
 
 
 def sampler_gap(batches):
-    """max_t |log π_old − log π_sampler| over a step's micro-batches: how far the trainer's forward
-    is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
+    """max_t |log π_old - log π_sampler| over a step's micro-batches: how far the trainer's
+    forward is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
     return max((((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item()
                 for mb in batches), default=0.0)
 
@@ -342,8 +342,8 @@ def check_finite(loss, step):
 
 def dual_clip(pg_loss, advantages, c):
     """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): where A < 0 the per-token loss
-    max(−ρA, −clip(ρ)A) is capped at −c·A, so one huge ratio on a bad sample cannot dominate the
-    step. advantages: (B, 1) or broadcastable; c = 0 leaves the loss unchanged."""
+    max(-ρA, -clip(ρ)A) is capped at -c·A, so one huge ratio on a bad sample cannot dominate
+    the step. advantages: (B, 1) or broadcastable; c = 0 leaves the loss unchanged."""
     if not c:
         return pg_loss
     return torch.where(advantages < 0, torch.minimum(pg_loss, -c * advantages), pg_loss)

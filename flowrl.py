@@ -50,7 +50,7 @@ Deviations (numbered, on purpose):
        and the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
-    python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 23–24 of 24 answers kept
+    python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 22-24 of 24 kept
     python flowrl.py --algo grpo       # the reward maximiser: KL 0.48 → above 2, a few answers kept
     python flowrl.py --algo grpo-kl    # the control with FlowRL's target
     python flowrl.py --seeds 0-4       # all three arms on five seeds, one table
@@ -148,7 +148,7 @@ class Args:
 
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
-# for the policy and log Z, weight decay 0.1, 10 warm-up steps, group-normalised r̂, temperature 1.0
+# for the policy and log Z, weight decay 0.1, 10 warm-up steps, group-normalised r̂, temperature 1
 # for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch (DEVIATION 7).
 PRESETS = {
     "full": dict(
@@ -344,7 +344,7 @@ def train(args):
         # 2. rewards r
         rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
         # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
-        #    π_old = the trainer's own no-grad forward before any update, π_ref once (not for GRPO)
+        #    π_old = the trainer's no-grad forward before any update, π_ref once (not for GRPO)
         completions = [ids for _, ids, _ in samples]
         model.train()
         parts = [common.scored_micro_batches(

@@ -196,8 +196,8 @@ class SD3Task:
 
     @torch.no_grad()
     def decode(self, latents, chunk=8):
-        """Latents → images in [0, 1], `chunk` at a time (fp32 activations at 512² are ~0.8 GiB per
-        image; the original code decodes 8 at a time too)."""
+        """Latents -> images in [0, 1], `chunk` at a time (fp32 activations at 512 px are ~0.8 GiB
+        per image; the original code decodes 8 at a time too)."""
         vae = self.pipe.vae
         latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
         images = [vae.decode(part, return_dict=False)[0].float() for part in latents.split(chunk)]

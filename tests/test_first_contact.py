@@ -51,8 +51,8 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path, name):
 
 
 def test_the_second_mini_batch_is_off_policy(tmp_path):
-    """With two mini-batches the second is scored after the first update: w ≠ 1 there, w = 1 on the
-    first (FlowRL's importance weight acts only across mini-batches)."""
+    """With two mini-batches the second is scored after the first update: w != 1 there, w = 1 on
+    the first (FlowRL's importance weight acts only across mini-batches)."""
     step = first_step(tmp_path, "flowrl", "--minibatches", "2")
     assert step["ratio_dev_first"] == 0.0 and step["ratio_dev_last"] > 1e-3
 

@@ -306,8 +306,8 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
             *("--toy-test-tasks", "60", "--out-dir", str(tmp_path))],
     )
     s = rc_grpo.train(args)
-    # Margin: over the five-seed sweep SFT+GRPO sits at 0.83–0.97 and RCTP+RC-GRPO at 0.44–0.64; the
-    # worst seed's gap is 0.33, and the test asks for less than half of it.
+    # Margin: over the five-seed sweep SFT+GRPO sits at 0.83-0.97 and RCTP+RC-GRPO at 0.44-0.64;
+    # the worst seed's gap is 0.33, and the test asks for less than half of it.
     zv_sft, zv_rc = (s[arm]["zero_variance_fraction"] for arm in ("sft+grpo", "rctp+rc-grpo"))
     assert zv_sft > zv_rc + 0.15
     # RCTP-FT learned to condition on the token: ε ≥ 0.5 on every seed, the test asks for 0.2.

@@ -117,7 +117,7 @@ def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
         "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
-    # the stage-2 adapter starts at B = 0 (π = π_ref): a gradient exactly when a group had variance
+    # the stage-2 adapter starts at B = 0 (π = π_ref): a gradient exactly when a group varies
     step = json.loads((tmp_path / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()[0])
     assert (step["grad_norm"] > 0) if step["zero_var_frac"] < 1 else step["grad_norm"] == 0
     assert (tmp_path / "rctp+rc-grpo" / "policy" / "model.safetensors").exists()  # 1 + 2 merged
