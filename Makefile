@@ -28,10 +28,13 @@ demo: $(VENV)/.installed
 	@$(PY) -m utils.sweep runs
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
-# one-digit sums (greedy accuracy), then FlowRL vs GRPO on many-answer questions over 3 seeds.
+# one-digit sums (greedy accuracy), FlowRL vs GRPO on many-answer questions over 3 seeds, the
+# AgentFlow planner over 3 seeds (broadcast vs final-turn credit), RC-GRPO's two arms on BFCL.
 demo-real: $(VENV)/.installed
 	$(PY) flowrl.py --quiet --preset smollm2-addition --algo grpo
 	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
+	$(PY) agentflow.py --preset smollm2-lookup --seeds 0-2 --out-dir runs/agentflow-smollm2
+	$(PY) rc_grpo.py --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

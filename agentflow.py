@@ -26,8 +26,8 @@ Deviations (numbered, on purpose):
     2. The toy's modules are deterministic rules (`build_toy`); at full scale the query analyser,
        executor, verifier and generator are the base model with the LoRA adapter off (the paper's
        frozen modules), which also writes the query analysis the planner reads.
-    3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale:
-       exact/numeric match.
+    3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale: a number
+       must equal the answer's last number, a text answer must appear in it as whole words.
     4. Full-scale prompts are short paraphrases of the original ones (the planner sees the question,
        the query analysis, the tools, the memory and "step k of at most N", and writes `Sub-Goal:`
        and `Tool:`; the executor sees the question, the sub-goal and the memory); the tools are a
@@ -38,6 +38,9 @@ Deviations (numbered, on purpose):
        (the LoRA/full ratio of "LoRA Without Regret", Schulman et al. 2025), and normalises over
        the G trajectories (`--group-norm trajectory`, the paper's) where the original code
        normalises over all turn rows.
+    6. The planner starts from a supervised warm start on demonstrations of the plan's format
+       (`warm_start`; the toy's tiny LM and the SmolLM2 preset; the full preset has none): the
+       paper trains an instruction model that already writes it.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy ~0.58 → 0.81-1.0; final-turn ~0.41
@@ -61,6 +64,8 @@ import torch
 import common
 from envs import agent_tools, agent_toy
 from utils import cli, distributed, sweep, tracking
+
+DATA = Path(__file__).parent / "envs" / "data"
 
 
 # -------------------------------------------------------------------------------------------- args
@@ -100,10 +105,13 @@ class Args:
         ["trajectory", "turn-rows"],
     )
     ablation: bool = cli.arg(True, "also train --credit final-turn from the same start")
-    warm_start_demos: int = cli.arg(200, "toy: demonstrations in the planner's warm start")
-    warm_start_steps: int = cli.arg(400, "toy: supervised steps of the warm start")
+    warm_start_demos: int = cli.arg(200, "training queries demonstrated in the warm start")
+    warm_start_steps: int = cli.arg(
+        400, "supervised steps of the planner's warm start (0 = none; the full preset: none)")
+    warm_start_lr: float = cli.arg(3e-3, "learning rate of the warm start")
     careless: float = cli.arg(
-        0.7, "toy: share of demonstrations whose second lookup repeats the first attribute")
+        0.7, "share of careless demonstrations in the warm start (toy: the second lookup repeats "
+        "the first attribute; full scale: the `generate` tool instead of a uniform pick)")
     lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
     micro_batch_tokens: int = cli.arg(
         4096,
@@ -137,7 +145,17 @@ PRESETS = {
         model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
         inner_steps=1, minibatches=8, max_new_tokens=2048, temperature=0.7, lr=1e-5,
         weight_decay=0.01, dual_clip=3.0, lora_rank=64, ablation=False, eval_every=25,
-        micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True)
+        micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True, warm_start_steps=0),
+    # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
+    # what, for fictional people whose one-line records only the retrieval tool can find. The whole
+    # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
+    # from demonstrations (DEVIATION 6), half of them careless ones that ask `generate`.
+    "smollm2-lookup": dict(
+        model="smollm2", data=str(DATA / "people_train.jsonl"),
+        eval_data=str(DATA / "people_test.jsonl"), corpus=str(DATA / "people_corpus.jsonl"),
+        steps=8, queries_per_step=3, group_size=4, inner_steps=1, max_turns=2, eval_max_turns=2,
+        max_new_tokens=24, temperature=0.7, lr=5e-4, lora_rank=16, eval_every=4, careless=0.5,
+        warm_start_demos=16, warm_start_steps=12, warm_start_lr=1e-3, save_every=0),
 }
 
 
@@ -259,23 +277,18 @@ def planner_sampler(system, temperature, args):
 
 
 def warm_start(system, demos, args):
-    """Supervised warm start: the planner learns the plan's format and to copy the question's
-    slots, and from the careless demonstrations a habit of repeating attr1 in its second lookup,
-    so it starts right on some questions and wrong in a middle turn on the others."""
+    """Supervised warm start on demonstrations (DEVIATION 6): the planner learns the plan's format,
+    and the careless demonstrator's habit (`system.demonstrations`), so RL has something to fix."""
     tokenizer, planner = system.tokenizer, system.planner
-    rng = random.Random(args.seed)
-    pairs = []
-    for query in demos:
-        memory = Memory()
-        for text in agent_toy.toy_demonstration(query, careless=rng.random() < args.careless):
-            pairs.append((system.planner_prompt(query, memory), text + " <eos>"))
-            tool, subgoal = system.parse_plan(text)
-            command, result, ok = system.execute([(query, tool, subgoal, memory)])[0]
-            memory.add(tool, subgoal, command, result, ok)
+    pairs = system.demonstrations(
+        demos, random.Random(args.seed), args.careless, Memory, args.max_turns)
     gen = torch.Generator().manual_seed(args.seed)
-    optimizer = torch.optim.AdamW(planner.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW([p for p in planner.parameters() if p.requires_grad],
+                                  lr=args.warm_start_lr)
+    planner.train()
     for _ in range(args.warm_start_steps):
-        batch = [pairs[k] for k in torch.randint(len(pairs), (32,), generator=gen).tolist()]
+        batch = [pairs[k] for k in torch.randint(len(pairs), (min(32, len(pairs)),),
+                                                 generator=gen).tolist()]
         completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
         ids, attn, mask = common.pack_completions(
             tokenizer, [p for p, _ in batch], completions, planner.device)
@@ -303,21 +316,6 @@ def evaluate(system, queries, args, accelerator=None):
     return {"accuracy": sum(r for r, _, _ in numbers) / len(numbers),
             "mean_turns": sum(turns for _, turns, _ in numbers) / len(numbers),
             "tool_error_rate": oks.count(False) / max(1, len(oks))}, trajectories
-
-
-def format_rollout(trajectory):
-    """One rollout turn by turn: the question, each plan, tool call, result and verdict, then the
-    answer."""
-    lines = [f"q: {trajectory['query']['question']}   (gold: {trajectory['query']['answer']})"]
-    for turn, entry, verdict in zip(
-        trajectory["turns"], trajectory["memory"].entries, trajectory["verdicts"]):
-        lines.append(
-            f"  turn {entry['step']}: planner {turn['text']!r} → tool {entry['tool']}, sub-goal "
-            f"{entry['subgoal']!r}, command {entry['command']!r} → "
-            f"{str(entry['result'])[:80]!r}; verifier {verdict}"
-        )
-    lines.append(f"  answer: {trajectory['answer']!r}  reward {trajectory['reward']:.0f}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -439,10 +437,8 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
-    if args.model:
-        system = agent_tools.build_full(args, device)
-    else:  # DEVIATION: the toy planner first learns the plan's format from demonstrations
-        system = agent_toy.build_toy(args, device)
+    system = (agent_tools.build_full if args.model else agent_toy.build_toy)(args, device)
+    if args.warm_start_steps:  # DEVIATION 6: the planner first learns the plan's format
         warm_start(system, system.train[: args.warm_start_demos], args)
     out_dir = Path(args.out_dir)
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
@@ -460,8 +456,8 @@ def train(args):
     if test:  # the row of `make demo`'s table, and one rollout before and after
         summary["claim"] = {"text": "AgentFlow planner: held-out accuracy goes up",
                             "before": before["accuracy"], "after": after["accuracy"]}
-        shown = "\n".join(["before training:", format_rollout(before_rollouts[0]),
-                           "after training:", format_rollout(after_rollouts[0])])
+        shown = "\n".join(["before training:", agent_tools.format_rollout(before_rollouts[0]),
+                           "after training:", agent_tools.format_rollout(after_rollouts[0])])
         if accelerator.is_main_process:
             (out_dir / "rollouts.txt").write_text(shown + "\n")
             if not args.quiet:

@@ -145,7 +145,14 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
     "bfcl": dict(
         model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
         lr=1e-5, sft_lr=1e-4, sft_batch=16, failure_rollouts=2, max_steps=20, max_new_tokens=256,
-        lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True)
+        lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True),
+    # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled, fully fine-tuned so one run
+    # trains both arms): 19 short BFCL base entries, their first turn, only the docs they call.
+    "smollm2-bfcl": dict(
+        model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
+        docs="needed", steps=4, tasks_per_step=3, group_size=4, lr=3e-5, sft_lr=1e-4,
+        sft_epochs=2, rctp_epochs=2, sft_batch=4, failure_rollouts=1, max_steps=2,
+        max_new_tokens=32, temperature=0.7, save_every=0),
 }
 
 
@@ -252,19 +259,6 @@ def evaluate(world, entries, token, args, temperature=0.0):
     runs = bfcl.run_rollouts(world, entries, [reward_goal(token)] * len(entries), temperature, args)
     checked = [bfcl.bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs]
     return sum(r["reward"] for r in runs) / len(runs), sum(checked) / len(runs)
-
-
-def format_calls(world, entry, token, args):
-    """What the policy calls on one entry, turn by turn (greedy, under `token`), beside the
-    expected calls: the before/after view of rollouts.txt."""
-    (run,) = bfcl.run_rollouts(world, [entry], [reward_goal(token)], 0.0, args)
-    lines = [f"{entry['id']} (token {token}): reward {run['reward']:.0f}"]
-    for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
-        asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""
-        lines.append(f"  turn {turn}: user {asked[:100]!r}")
-        lines.append(f"    called   {calls or '(no call)'}")
-        lines.append(f"    expected {expected}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -408,7 +402,7 @@ def train(args):
     states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
     rare_test = [e for e in world.test if e.get("rare")]
     summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
-    shown = ["base model:\n" + format_calls(world, world.test[0], None, args)]
+    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, args)]
     needed = {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
         expert = bfcl.stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
@@ -456,7 +450,8 @@ def train(args):
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
             result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)[0]
-        shown.append(f"after {arm}:\n" + format_calls(world, world.test[0], token, args))
+        shown.append(
+            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), args))
         summary[arm] = logger.finish(
             result,
             [

@@ -74,15 +74,18 @@ def load_qa_jsonl(path):
 
 
 def answers_match(prediction, answer):
-    """Exact match after normalising case, spaces and a trailing period; numbers compared as
-    numbers."""
+    """A numeric gold answer equals the prediction's last number; a text one appears in it as
+    whole words, case and spacing aside (a small model's "X lives in Y." counts for Y)."""
     if prediction is None:
         return False
-    pred, gold = str(prediction).strip().strip(".").lower(), str(answer).strip().strip(".").lower()
+    pred = " ".join(str(prediction).lower().split())
+    gold = " ".join(str(answer).strip().strip(".").lower().split())
     try:
-        return abs(float(pred.replace(",", "")) - float(gold.replace(",", ""))) < 1e-6
+        value = float(gold.replace(",", ""))
     except ValueError:
-        return " ".join(pred.split()) == " ".join(gold.split())
+        return re.search(rf"(?<!\w){re.escape(gold)}(?!\w)", pred) is not None
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", pred)
+    return bool(numbers) and abs(float(numbers[-1].replace(",", "")) - value) < 1e-6
 
 
 @dataclasses.dataclass
@@ -124,6 +127,18 @@ class ToolSystem:
         return self.frozen([
             f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\nAnalyse the question in "
             "two sentences: what it asks, and which skills and tools would help." for q in queries])
+
+    def demonstrations(self, queries, rng, careless, memory_type, max_turns):
+        """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
+        question>` and a tool drawn uniformly, or by a careless demonstrator (share `careless`)
+        the generalist `generate`, a habit RL must unlearn. A 135M model never writes the format
+        on its own, examples in the prompt included."""
+        pairs = []
+        for query, analysis in zip(queries, self.analyse(queries)):
+            tool = "generate" if rng.random() < careless else rng.choice(list(FULL_TOOLS))
+            pairs.append((self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
+                          f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}"))
+        return pairs
 
     def planner_prompt(self, query, memory, analysis, step, max_turns):
         tools = "\n".join(
@@ -188,20 +203,10 @@ class ToolSystem:
         return ["STOP" in v.upper() for v in verdicts]
 
     def generate(self, items):
-        texts = self.frozen(
-            [
-                f"Question: {q['question']}\nMemory:\n{render_memory(m)}\nGive the final answer on "
-                "the last line as 'Answer: <answer>'."
-                for q, m in items
-            ]
-        )
-        return [
-            (
-                re.findall(r"Answer:\s*(.+)", t)
-                or [t.strip().splitlines()[-1] if t.strip() else None]
-            )[-1]
-            for t in texts
-        ]
+        """The final answer from M, the question last (where a small model reads it best)."""
+        texts = self.frozen([f"Memory:\n{render_memory(m)}\nQuestion: {q['question']}\nAnswer "
+                             "the question in a few words." for q, m in items])
+        return [(re.findall(r"Answer:\s*(.+)", t) or [t.strip() or None])[-1] for t in texts]
 
     def judge(self, query, answer):
         return answers_match(answer, query["answer"])
@@ -218,6 +223,21 @@ def render_memory(memory):
         )
         or "(empty)"
     )
+
+
+def format_rollout(trajectory):
+    """One rollout turn by turn: the question, each plan, tool call, result and verdict, then the
+    answer."""
+    lines = [f"q: {trajectory['query']['question']}   (gold: {trajectory['query']['answer']})"]
+    for turn, entry, verdict in zip(
+        trajectory["turns"], trajectory["memory"].entries, trajectory["verdicts"]):
+        lines.append(
+            f"  turn {entry['step']}: planner {turn['text']!r} → tool {entry['tool']}, sub-goal "
+            f"{entry['subgoal']!r}, command {entry['command']!r} → "
+            f"{str(entry['result'])[:80]!r}; verifier {verdict}"
+        )
+    lines.append(f"  answer: {trajectory['answer']!r}  reward {trajectory['reward']:.0f}")
+    return "\n".join(lines)
 
 
 def build_full(args, device):

@@ -94,6 +94,19 @@ class ToySystem:
         """The toy has no query analysis: its prompt's slots already are one."""
         return [""] * len(queries)
 
+    def demonstrations(self, queries, rng, careless, memory_type, max_turns):
+        """The warm start's (prompt, completion) pairs: the golden plan turn by turn, executed, or
+        a careless demonstrator's (share `careless`) that repeats attr1 in its second lookup, so
+        the planner starts right on some questions and wrong in a middle turn on the others."""
+        pairs = []
+        for query in queries:
+            memory = memory_type()
+            for text in toy_demonstration(query, careless=rng.random() < careless):
+                pairs.append((self.planner_prompt(query, memory), text + " <eos>"))
+                tool, subgoal = self.parse_plan(text)
+                memory.add(tool, subgoal, *self.execute([(query, tool, subgoal, memory)])[0])
+        return pairs
+
     def planner_prompt(self, query, memory, analysis="", step=1, max_turns=1):
         """(q, K, M^t) as tokens in fixed slots: `q <attr> <op> <attr> k <tools> t<turn>`, then the
         memory (results summarised as ok/error). Entities stay with the executor, so every word

@@ -35,6 +35,13 @@ MAX_CALL_CHARS = (
 )
 
 
+# The SmolLM2 preset's entries (`rc_grpo.py --preset smollm2-bfcl`): multi_turn_base entries on one
+# backend whose first user turn takes one or two calls: the first 12 of the training split and the
+# 7 of the test split (ids ending in 9).
+LAPTOP_TASKS = ",".join(f"multi_turn_base_{n}" for n in (
+    1, 3, 6, 10, 12, 25, 26, 37, 50, 66, 73, 83, 9, 29, 39, 79, 99, 159, 179))
+
+
 def bfcl_root():
     import bfcl_eval
 
@@ -574,6 +581,19 @@ def run_rollouts(world, entries, goals, temperature, args):
     for run in runs:
         run["reward"] = trajectory_reward(run["entry"], run["calls_per_turn"])
     return runs
+
+
+def format_calls(world, entry, goal, args):
+    """What the policy calls on one entry, turn by turn (greedy, under the reward `goal` text),
+    beside the expected calls: the before/after view of rollouts.txt."""
+    (run,) = run_rollouts(world, [entry], [goal], 0.0, args)
+    lines = [f"{entry['id']} ({goal or 'no reward goal'}): reward {run['reward']:.0f}"]
+    for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
+        asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""
+        lines.append(f"  turn {turn}: user {asked[:100]!r}")
+        lines.append(f"    called   {calls or '(no call)'}")
+        lines.append(f"    expected {expected}")
+    return "\n".join(lines)
 
 
 def stage1_units(trajectories, args):

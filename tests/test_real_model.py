@@ -91,30 +91,29 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
     assert ((logp - old) * mask).abs().max() <= 1e-3
 
 
-def test_agentflow_on_smollm2(smollm2, tmp_path):
+def test_agentflow_laptop_preset_runs_the_whole_system_and_learns_from_a_varied_group(
+        smollm2, tmp_path):
+    # the smollm2-lookup preset's path at its smallest: warm start, the full system, one step; with
+    # β = 0 the only gradient is the policy gradient, so it is 0 exactly when every group is flat
     summary = run(
-        "agentflow.py", tmp_path, "--preset", "full", "--data", "tests/data/qa_tiny.jsonl",
-        "--corpus", "tests/data/corpus_tiny.jsonl", "--steps", "1", "--queries-per-step", "1",
-        "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "12", "--lora-rank", "8",
-        "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
+        "agentflow.py", tmp_path, "--preset", "smollm2-lookup", "--eval-data",
+        "tests/data/people_tiny.jsonl", "--steps", "1", "--queries-per-step", "1", "--group-size",
+        "2", "--warm-start-demos", "2", "--warm-start-steps", "2", "--no-ablation", "--beta", "0")
     assert summary["sampler_logprob_max_dev"] <= 1e-3
-    adapter = load_file(tmp_path / "planner" / "adapter_model.safetensors")
+    assert (tmp_path / "planner" / "adapter_model.safetensors").exists()
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert step["turn_samples"] >= 2 and 1 <= step["mean_turns"] <= 2
-    lora_b = max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k)  # B starts at 0
-    # 135M parameters rarely answer these right: a step whose groups are all-equal carries no
-    # gradient at all (A = 0 and π = π_ref), so the adapter must stay exactly at its start;
-    # otherwise it must move.
-    assert (lora_b > 0) if step["zero_var_frac"] < 1 else (lora_b == 0 and step["loss"] == 0)
+    assert (step["grad_norm"] > 0) if step["zero_var_frac"] < 1 else step["grad_norm"] == 0
 
 
-def test_rc_grpo_on_smollm2_with_real_bfcl_entries(smollm2, tmp_path):
+def test_rc_grpo_laptop_preset_on_real_bfcl_entries(smollm2, tmp_path):
+    # the smollm2-bfcl preset's path on two of its entries, one LoRA arm (its saved policy merges
+    # stage 1 and stage 2)
     summary = run(
-        "rc_grpo.py", tmp_path, "--preset", "bfcl", "--tasks",
-        "multi_turn_base_1,multi_turn_base_49", "--max-turns", "1", "--docs", "needed", "--steps",
-        "1", "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1", "--max-steps",
-        "1", "--max-new-tokens", "12", "--lora-rank", "8", "--rctp-epochs", "1",
-        "--micro-batch-tokens", "1024", "--no-gradient-checkpointing")
+        "rc_grpo.py", tmp_path, "--preset", "smollm2-bfcl", "--tasks",
+        "multi_turn_base_1,multi_turn_base_9", "--arms", "rctp+rc-grpo", "--steps", "1",
+        "--tasks-per-step", "1", "--group-size", "2", "--max-steps", "1", "--max-new-tokens",
+        "12", "--lora-rank", "8", "--rctp-epochs", "1", "--micro-batch-tokens", "1024")
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
     # the stage-2 adapter starts at B = 0 (π = π_ref): a gradient exactly when a group varies
