@@ -285,9 +285,7 @@ def validate(args):
     return arms
 
 
-def grpo_arm(
-    args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator
-):
+def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed
     (GRPO), one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token
     (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1
@@ -359,11 +357,17 @@ def grpo_arm(
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats stay rank
         # 0's)
-        runs = gather_object([{"token": t, "reward": r["reward"]} for r, t in zip(runs, tokens)])
+        runs = gather_object([{"token": t, "reward": r["reward"], "rare": r["entry"].get("rare")}
+                              for r, t in zip(runs, tokens)])
         rewards = torch.tensor([r["reward"] for r in runs])
         zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
         by_token = {t: [r["reward"] for r in runs if r["token"] == t] for t in REWARD_TOKENS}
         entropy = -sum(s["old_logp"].sum().item() for s, _ in rows) / token_count  # −mean log π
+        for kind in ("common", "rare") if any(r["rare"] for r in runs) else ():  # the toy's folders
+            for tag, token in (("high", HIGH), ("low", LOW), ("untagged", None)):
+                hits = [r["reward"] for r in runs if bool(r["rare"]) == (kind == "rare")
+                        and r["token"] == token]
+                stats |= {f"success_{tag}_{kind}": sum(hits) / len(hits)} if hits else {}
         logger.log(
             step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(),
             entropy=entropy, success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
