@@ -29,11 +29,12 @@ demo: $(VENV)/.installed
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
 # one-digit sums (greedy accuracy), FlowRL vs GRPO on many-answer questions over 3 seeds, the
-# AgentFlow planner over 3 seeds (broadcast vs final-turn credit), RC-GRPO's two arms on BFCL.
+# AgentFlow planner over 3 seeds, RC-GRPO's two arms on BFCL entries.
 demo-real: $(VENV)/.installed
 	$(PY) flowrl.py --quiet --preset smollm2-addition --algo grpo
 	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
-	$(PY) agentflow.py --preset smollm2-lookup --seeds 0-2 --out-dir runs/agentflow-smollm2
+	for s in 0 1 2; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet \
+		--out-dir runs/agentflow-smollm2/seed$$s || exit 1; done
 	$(PY) rc_grpo.py --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
 test: $(VENV)/.installed

@@ -154,8 +154,8 @@ PRESETS = {
         model="smollm2", data=str(DATA / "people_train.jsonl"),
         eval_data=str(DATA / "people_test.jsonl"), corpus=str(DATA / "people_corpus.jsonl"),
         steps=8, queries_per_step=3, group_size=4, inner_steps=1, max_turns=2, eval_max_turns=2,
-        max_new_tokens=24, temperature=0.7, lr=5e-4, lora_rank=16, eval_every=4, careless=0.5,
-        warm_start_demos=16, warm_start_steps=12, warm_start_lr=1e-3, save_every=0),
+        max_new_tokens=24, temperature=0.7, lr=5e-4, lora_rank=16, eval_every=1000, careless=0.5,
+        warm_start_demos=8, warm_start_steps=20, warm_start_lr=1e-3, micro_batch_tokens=1024),
 }
 
 
