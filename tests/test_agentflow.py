@@ -106,6 +106,9 @@ def test_answers_match():
     match = agent_tools.answers_match
     assert match("42.0", "42") and match(" Paris. ", "paris")
     assert not match("41", "42") and not match(None, "42")
+    # a text answer counts as whole words inside the reply, a number as the reply's last number
+    assert match("Quill Brannock lives in Fenwick.", "Fenwick") and match("so 3 + 4 = 7", "7")
+    assert not match("lives in Fenwickshire", "Fenwick") and not match("7 is not 3 + 5", "7")
 
 
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):
