@@ -113,7 +113,7 @@ class Args:
     warm_start_lr: float = cli.arg(3e-3, "learning rate of the warm start")
     careless: float = cli.arg(
         0.7, "share of careless demonstrations in the warm start (toy: the second lookup repeats "
-        "the first attribute; full scale: the `generate` tool instead of a uniform pick)")
+        "the first attribute; full scale: `generate`, the rest python and retrieve in turn)")
     lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
     micro_batch_tokens: int = cli.arg(
         4096,
@@ -151,7 +151,7 @@ PRESETS = {
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
     # what, for fictional people whose one-line records only the retrieval tool can find. The whole
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
-    # from demonstrations (DEVIATION 6), half of them careless ones that ask `generate`.
+    # from demonstrations (DEVIATION 6): half careless ones that ask `generate`, two retrieve.
     "smollm2-lookup": dict(
         model="smollm2", data=str(DATA / "people_train.jsonl"),
         eval_data=str(DATA / "people_test.jsonl"), corpus=str(DATA / "people_corpus.jsonl"),

@@ -130,15 +130,20 @@ class ToolSystem:
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
-        question>` and a tool drawn uniformly, or by a careless demonstrator (share `careless`)
-        the generalist `generate`, a habit RL must unlearn. A 135M model never writes the format
-        on its own, examples in the prompt included."""
-        pairs = []
-        for query, analysis in zip(queries, self.analyse(queries)):
-            tool = "generate" if rng.random() < careless else rng.choice(list(FULL_TOOLS))
-            pairs.append((self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
-                          f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}"))
-        return pairs
+        question>` and a tool. A careless demonstrator's share `careless` (exactly, rounded) asks
+        the generalist `generate`, a habit RL must unlearn; the rest name the specialised tools in
+        turn; `rng` shuffles which query gets which. Exact shares: 8 independent draws leave some
+        seeds without a single `retrieve`, and then no group ever has variance. A 135M model never
+        writes the format on its own, examples in the prompt included."""
+        n_careless = round(careless * len(queries))
+        specialised = [tool for tool in FULL_TOOLS if tool != "generate"]
+        tools = ["generate"] * n_careless + [
+            specialised[k % len(specialised)] for k in range(len(queries) - n_careless)]
+        rng.shuffle(tools)
+        return [
+            (self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
+             f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}")
+            for query, analysis, tool in zip(queries, self.analyse(queries), tools)]
 
     def planner_prompt(self, query, memory, analysis, step, max_turns):
         tools = "\n".join(

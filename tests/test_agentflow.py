@@ -3,6 +3,7 @@ flow, the sandboxed Python tool, the toy end to end and the full-scale path with
 planner."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -210,6 +211,24 @@ def test_plan_parser_reads_the_official_fields_in_any_case():
     for bad in ["Tool: python", "Sub-Goal: x", "Sub-Goal: x\nTool: shell"]:
         with pytest.raises(ValueError):
             system.parse_plan(bad)
+
+
+def test_warm_start_demonstrations_hold_exact_tool_shares_on_every_seed(monkeypatch):
+    """Half the demonstrations careless (`generate`), the rest python and retrieve in turn: no seed
+    is left without the one tool that answers the lookup task."""
+    tokenizer = type("Tokenizer", (), {"eos_token": "</s>"})()
+    system = agent_tools.ToolSystem([], [], tokenizer, None, None, 1.0, 8, 8, ())
+    monkeypatch.setattr(agent_tools.ToolSystem, "analyse", lambda self, qs: ["a"] * len(qs))
+    monkeypatch.setattr(agent_tools.ToolSystem, "planner_prompt", lambda self, q, *_: q["question"])
+    queries = [{"question": f"q{k}"} for k in range(8)]
+    orders = set()
+    for seed in range(5):
+        pairs = system.demonstrations(queries, random.Random(seed), 0.5, agentflow.Memory, 2)
+        tools = [completion.split("Tool: ")[1].removesuffix("</s>") for _, completion in pairs]
+        assert sorted(tools) == ["generate"] * 4 + ["python"] * 2 + ["retrieve"] * 2
+        assert [prompt for prompt, _ in pairs] == [q["question"] for q in queries]
+        orders.add(tuple(tools))
+    assert len(orders) > 1  # the seed decides which query gets which tool
 
 
 def test_the_executor_sees_the_memory_so_far(monkeypatch):
