@@ -150,7 +150,7 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
     # trains both arms): 19 short BFCL base entries, their first turn, only the docs they call.
     "smollm2-bfcl": dict(
         model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
-        docs="needed", steps=4, tasks_per_step=3, group_size=4, lr=3e-5, sft_lr=1e-4,
+        docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, sft_lr=1e-4,
         sft_epochs=2, rctp_epochs=2, sft_batch=4, failure_rollouts=1, max_steps=2,
         max_new_tokens=32, temperature=0.7, micro_batch_tokens=1024),
 }
