@@ -346,7 +346,8 @@ def train_arm(args, system, out_dir, accelerator):
     """Flow-GRPO on the planner (the Flow-GRPO objective): G rollouts per query → broadcast A_i →
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
-    optimiser step. `args.credit` says which turns are trained. Returns (sampler_dev, the Run)."""
+    optimiser step. `args.credit` says which turns are trained. Returns (sampler_dev, the Run, the
+    last evaluation's (metrics, rollouts): the trained weights', or None where no step ran)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -362,7 +363,7 @@ def train_arm(args, system, out_dir, accelerator):
                        {"optimizer": optimizer}, {"rollouts": gen}), args,
                        accelerator.is_main_process)
     start, extra = run.resume()
-    sampler_dev = extra.get("sampler_dev", 0.0)
+    sampler_dev, last_eval = extra.get("sampler_dev", 0.0), None
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths
@@ -427,10 +428,10 @@ def train_arm(args, system, out_dir, accelerator):
                   "ratio_dev_last": last_dev}
         due = step % args.eval_every == 0 or step == args.steps
         if system.test and due:
-            metrics = evaluate(system, system.test, args, accelerator)[0]
-            record |= {f"eval_{k}": v for k, v in metrics.items()}
+            last_eval = evaluate(system, system.test, args, accelerator)
+            record |= {f"eval_{k}": v for k, v in last_eval[0].items()}
         run.log(step, record, {"sampler_dev": sampler_dev})
-    return sampler_dev, run
+    return sampler_dev, run, last_eval
 
 
 def train(args):
@@ -446,8 +447,10 @@ def train(args):
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
     test = system.test  # every rank evaluates its share; rank 0 writes
     before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
-    sampler_dev, run = train_arm(args, system, out_dir, accelerator)
-    after, after_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
+    sampler_dev, run, last_eval = train_arm(args, system, out_dir, accelerator)
+    # the last step's evaluation is of the trained weights (a resumed, finished run evaluates anew)
+    after, after_rollouts = last_eval or (
+        evaluate(system, test, args, accelerator) if test else ({}, []))
     summary = {f"{k}_before": v for k, v in before.items()} | {
         f"{k}_after": v for k, v in after.items()} | {
         "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
@@ -472,8 +475,8 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        _, ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
-        ablated = evaluate(system, test, args, accelerator)[0]
+        _, ablation, last_eval = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablated = (last_eval or evaluate(system, test, args, accelerator))[0]
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:
