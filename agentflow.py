@@ -151,13 +151,15 @@ PRESETS = {
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
     # what, for fictional people whose one-line records only the retrieval tool can find. The whole
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
-    # from demonstrations (DEVIATION 6): half careless ones that ask `generate`, two retrieve.
+    # from demonstrations (DEVIATION 6): half careless ones that ask `generate`, two retrieve. β 0:
+    # the reference (adapter off) never writes the plan's format, so a KL to it pulls out of it.
     "smollm2-lookup": dict(
         model="smollm2", data=str(DATA / "people_train.jsonl"),
         eval_data=str(DATA / "people_test.jsonl"), corpus=str(DATA / "people_corpus.jsonl"),
         steps=8, queries_per_step=3, group_size=4, inner_steps=1, max_turns=2, eval_max_turns=2,
-        max_new_tokens=24, temperature=0.7, lr=5e-4, lora_rank=16, eval_every=1000, careless=0.5,
-        warm_start_demos=8, warm_start_steps=20, warm_start_lr=1e-3, micro_batch_tokens=1024),
+        max_new_tokens=24, temperature=0.7, lr=2e-4, beta=0.0, lora_rank=16, eval_every=1000,
+        careless=0.5, warm_start_demos=8, warm_start_steps=20, warm_start_lr=1e-3,
+        micro_batch_tokens=1024),
 }
 
 
