@@ -35,6 +35,7 @@ demo-real: $(VENV)/.installed
 	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
 	for s in 0 1 2; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet \
 		--out-dir runs/agentflow-smollm2/seed$$s || exit 1; done
+	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
 	$(PY) rc_grpo.py --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
 test: $(VENV)/.installed
