@@ -152,7 +152,7 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
     # trains both arms): 19 short BFCL base entries, their first turn, only the docs they call.
     "smollm2-bfcl": dict(
         model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
-        docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, sft_lr=1e-4,
+        docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, beta=0.0, sft_lr=1e-4,
         sft_epochs=2, rctp_epochs=2, sft_batch=4, failure_rollouts=1, max_steps=2,
         max_new_tokens=32, temperature=0.7, micro_batch_tokens=1024),
 }
@@ -183,13 +183,14 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, tok
     (RC-GRPO stage 2).
 
     Every term is conditioned on the rollout's own reward token (it sits in the prompt, never
-    scored). KL_t is k3 to π_ref, the stage-1 model. N_tokens counts the step's completion tokens,
-    so micro-batches add up to the one-shot loss. Returns (loss, stats)."""
+    scored). KL_t is k3 to π_ref, the stage-1 model (0 when β = 0 skips π_ref). N_tokens counts
+    the step's completion tokens, so micro-batches add up to the one-shot loss. Returns (loss,
+    stats)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
-    kl = common.kl_penalty(logp, ref_logp, "k3")
+    kl = torch.zeros_like(logp) if ref_logp is None else common.kl_penalty(logp, ref_logp, "k3")
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
@@ -309,8 +310,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         logger.restore(extra["records"])
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
-        # 1. draw tasks and, per rollout, a reward token r_j ~ Bernoulli(p) (RC-GRPO) or a fixed one
-        #    (GRPO)
+        # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO) or a fixed one (GRPO)
         pick = torch.randint(len(world.train), (args.tasks_per_step,), generator=gen)
         n = len(pick) * args.group_size
         fixed = HIGH if use_tokens else None
@@ -323,7 +323,6 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         if accelerator.num_processes > 1:
             torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
         # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action
-        #    (RC-GRPO's reward)
         runs = bfcl.run_rollouts(
             world, entries, [reward_goal(t) for t in tokens], args.temperature, args)
         rewards = torch.tensor([r["reward"] for r in runs])
@@ -334,12 +333,14 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         prompts, completions = [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows]
         token_count = max(1, sum(len(c) for c in completions))
         # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; π_old =
-        #    the trainer's own no-grad forward before the update, π_ref once
+        #    the trainer's own no-grad forward before the update, π_ref once. A row with A = 0 has
+        #    no gradient when β = 0: it is not scored (nor π_ref at all)
         model.train()
+        scored = [k for k, (_, a) in enumerate(rows) if a or args.beta]
         batches = common.scored_micro_batches(
             tokenizer, prompts, completions, [s["old_logp"] for s, _ in rows],
             args.micro_batch_tokens, model.device, model, reference, args.temperature,
-            precision=args.mixed_precision)
+            bool(args.beta), args.mixed_precision, scored)
         sampler_dev = max(sampler_dev, common.sampler_gap(batches))
         optimizer.zero_grad()
         loss, stats = torch.zeros(()), {"ratio_dev": 0.0}
@@ -357,8 +358,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
-        # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats stay rank
-        # 0's)
+        # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
         runs = gather_object([{"token": t, "reward": r["reward"], "rare": r["entry"].get("rare")}
                               for r, t in zip(runs, tokens)])
         rewards = torch.tensor([r["reward"] for r in runs])

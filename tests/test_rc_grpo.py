@@ -271,6 +271,18 @@ def test_variance_bound_of_proposition_4_3_holds_in_simulation():
     assert peaked < mean_var  # without tokens a peaked policy's groups have less variance
 
 
+def test_with_beta_zero_a_row_without_advantage_adds_nothing_to_the_gradient():
+    """grpo_arm leaves such rows unscored: exact only because their gradient is 0."""
+    logp = torch.randn(3, 5, requires_grad=True)
+    old = logp.detach() + 0.1 * torch.randn(3, 5)
+    advantages, mask = torch.tensor([0.0, 1.0, -1.0]), torch.ones(3, 5)
+    loss, stats = rc_grpo.rc_grpo_loss(logp, old, None, advantages, mask, 0.2, 0.0, 15)
+    loss.backward()
+    assert logp.grad[0].abs().max() == 0 and logp.grad[1:].abs().min() > 0 and stats["kl"] == 0
+    with_kl, _ = rc_grpo.rc_grpo_loss(logp, old, old, advantages, mask, 0.2, 0.1, 15)
+    assert torch.autograd.grad(with_kl, logp)[0][0].abs().max() > 0  # β > 0: every row counts
+
+
 def test_toy_run_is_on_policy_and_deterministic(tmp_path):
     runs = []
     for name in ["a", "b"]:
