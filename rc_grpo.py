@@ -149,7 +149,7 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
         lr=1e-5, sft_lr=1e-4, sft_batch=16, failure_rollouts=2, max_steps=20, max_new_tokens=256,
         lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled, fully fine-tuned so one run
-    # trains both arms): 19 short BFCL base entries, their first turn, only the docs they call.
+    # trains both arms): 19 short BFCL entries, first turn, needed docs; β 0: flat groups unscored
     "smollm2-bfcl": dict(
         model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
         docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, beta=0.0, sft_lr=1e-4,
