@@ -112,8 +112,9 @@ def test_answers_match():
     assert not match("lives in Fenwickshire", "Fenwick") and not match("7 is not 3 + 5", "7")
 
 
-def test_toy_run_is_on_policy_and_deterministic(tmp_path):
-    runs = []
+def test_toy_run_is_on_policy_and_deterministic(tmp_path, monkeypatch):
+    runs, calls, evaluate = [], [], agentflow.evaluate
+    monkeypatch.setattr(agentflow, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
     for name in ["a", "b"]:
         summary = agentflow.train(
             toy_args(
@@ -129,6 +130,8 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
             ]
         )
     assert runs[0] == runs[1]
+    # held-out evaluations: before training and at the last step, whose result is the summary's
+    assert len(calls) == 4 and summary["accuracy_after"] == runs[1][-1]["eval_accuracy"]
     assert {
         "accuracy_before", "accuracy_after", "mean_turns", "tool_error_rate", "wall_seconds"
     } <= set(summary)
