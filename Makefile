@@ -38,8 +38,8 @@ demo-real: $(VENV)/.installed
 	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
 	$(PY) rc_grpo.py --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
-test: $(VENV)/.installed
-	$(PY) -m pytest
+test: $(VENV)/.installed  # two workers (pytest-xdist), each taking the next test when it is free
+	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/denoising_reduction.py
