@@ -45,7 +45,7 @@ Deviations (numbered, on purpose):
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy ~0.58 → 0.81-1.0; final-turn ~0.41
     python agentflow.py --seeds 0-4   # the same on five seeds, one table
-Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 24-34 min a seed, one core):
+Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 21 min a seed on 2 cores):
     python agentflow.py --preset smollm2-lookup --no-ablation  # +0.2 on 2/3 seeds; final-turn ties
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
