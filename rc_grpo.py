@@ -334,7 +334,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
         token_count = max(1, sum(len(c) for c in completions))
         # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; π_old =
         #    the trainer's own no-grad forward before the update, π_ref once. A row with A = 0 has
-        #    no gradient when β = 0: it is not scored (nor π_ref at all)
+        #    no gradient when β = 0: it is not scored, and π_ref is not needed
         model.train()
         scored = [k for k, (_, a) in enumerate(rows) if a or args.beta]
         batches = common.scored_micro_batches(

@@ -42,7 +42,7 @@ def test_on_policy_ratio_is_exactly_one_under_bf16(tmp_path, name):
     assert step["sampler_logprob_max_dev"] > 0  # generate's bf16 rounding, a diagnostic only
 
 
-# rc_grpo's first step has a group with variance on every machine only after its full stage 1
+# rc_grpo's first step has a varied group at 1 or 2 threads and under avx2 after its full stage 1
 VARIED = {"rc_grpo": ["--toy-tasks", "240", "--tasks-per-step", "8"]}
 
 
