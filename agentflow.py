@@ -126,6 +126,9 @@ class Args:
         "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     tool_timeout: float = cli.arg(10.0, "Python tool timeout in seconds")
+    unsafe_python_tool: bool = cli.arg(
+        False, "run the Python tool WITHOUT OS isolation where bubblewrap cannot isolate it "
+        "(otherwise the tool is disabled there): model-written code then runs as you")
     eval_every: int = cli.arg(20, "steps between held-out evaluations")
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: both credit arms per seed, one table")

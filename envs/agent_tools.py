@@ -8,6 +8,8 @@ generalist; QA data and answer matching.
 import dataclasses
 import json
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import common
@@ -105,11 +107,20 @@ class ToolSystem:
     max_new_tokens: int
     gen_batch: int
     hidden_files: tuple
+    unsafe_python_tool: bool = False  # the user's opt-in to run model code unisolated
     frozen_temperature: float = 0.0  # set by the training loop and by evaluate
 
     def chat(self, text):
+        """One user turn in the chat template. Its text (questions, tool output, model-written
+        sub-goals and commands) cannot open or close a turn: special tokens are escaped."""
         return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            [{"role": "user", "content": escape_special_tokens(text, self.tokenizer)}],
+            tokenize=False, add_generation_prompt=True)
+
+    def run_python(self, program):
+        return sandbox.python_tool(
+            program, self.tool_timeout, hidden_files=self.hidden_files,
+            unsafe=self.unsafe_python_tool)
 
     def frozen(self, prompts, max_new_tokens=None):
         """The frozen modules: base weights (adapter off), sampled at `frozen_temperature`."""
@@ -178,18 +189,14 @@ class ToolSystem:
         )
         asked = [command for (_, tool, _, _), command in zip(calls, commands) if tool == "generate"]
         generated = iter(self.frozen(asked) if asked else [])  # the generate tool: one batch
+        programs = [python_program(command)
+                    for (_, tool, _, _), command in zip(calls, commands) if tool == "python"]
+        with ThreadPoolExecutor(max_workers=PYTHON_WORKERS) as pool:  # the turn's programs at once
+            ran = iter(list(pool.map(self.run_python, programs)))
         results = []
         for (query, tool, goal, _), command in zip(calls, commands):
             if tool == "python":
-                block = re.search(r"```(?:python)?\n(.*?)```", command, re.S)
-                results.append(
-                    (
-                        command,
-                        *sandbox.python_tool(
-                            block.group(1) if block else command, self.tool_timeout,
-                            hidden_files=self.hidden_files),
-                    )
-                )
+                results.append((command, *next(ran)))
             elif tool == "retrieve":
                 results.append((command, self.retrieve(command), True))
             else:
@@ -215,6 +222,27 @@ class ToolSystem:
 
     def judge(self, query, answer):
         return answers_match(answer, query["answer"])
+
+
+PYTHON_WORKERS = 8  # Python tool calls of one turn that run at once
+
+
+def python_program(command):
+    """The executor's command as a program: its fenced block if it wrote one."""
+    block = re.search(r"```(?:python)?\n(.*?)```", command, re.S)
+    return block.group(1) if block else command
+
+
+def escape_special_tokens(text, tokenizer):
+    """`text` with every special token's string (`<|im_end|>`, `<|im_start|>`, …) broken by a zero
+    width space after its first character, so it is encoded as plain text, never as a token that
+    ends a turn or starts a new one."""
+    specials = set(tokenizer.all_special_tokens) | {
+        token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    for special in sorted(specials, key=len, reverse=True):
+        if len(special) > 1:
+            text = text.replace(special, special[0] + "\u200b" + special[1:])
+    return text
 
 
 def render_memory(memory):
@@ -246,7 +274,15 @@ def format_rollout(trajectory):
 
 
 def build_full(args, device):
-    """HF planner with LoRA; the frozen modules are the same model with the adapter off."""
+    """HF planner with LoRA; the frozen modules are the same model with the adapter off. Says at
+    once whether the Python tool is isolated, disabled, or (the user's opt-in) unisolated."""
+    problem = sandbox.isolation_problem()
+    if args.unsafe_python_tool:
+        print("WARNING: --unsafe-python-tool: model-written code runs as you, WITHOUT isolation "
+              "(your files, keys and network are within its reach)", file=sys.stderr)
+    elif problem:
+        print(f"note: the Python tool is disabled: {problem}; its calls return that error "
+              "(--unsafe-python-tool runs them unisolated)", file=sys.stderr)
     tokenizer, planner = models.load_causal_lm(
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     retrieve = (
@@ -257,4 +293,4 @@ def build_full(args, device):
     return ToolSystem(
         load_qa_jsonl(args.data), load_qa_jsonl(args.eval_data) if args.eval_data else [],
         tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
-        args.gen_batch, hidden)
+        args.gen_batch, hidden, args.unsafe_python_tool)

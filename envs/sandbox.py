@@ -1,16 +1,19 @@
-"""The isolated Python tool: model-written code runs in its own namespaces, as an unprivileged user,
-with no network, no children, nothing of the machine but the interpreter, resource caps and a
-timeout.
+"""The isolated Python tool: model-written code runs in its own namespaces, as its own user, with
+no network, no children, nothing of the machine but the interpreter, resource caps and a timeout.
+Where that isolation is unavailable the tool is disabled (it fails closed), unless the user opts
+in to running model code unisolated.
 
     python_tool(code, ...)   run one program and return (output, ok); it never raises
-    sandbox_isolates()       whether this machine can give the OS-level isolation (bubblewrap)
+    isolation_problem()      None where each call can be isolated here, else the reason
 """
 
-import ctypes
+import importlib.util
 import os
 import platform
+import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -20,45 +23,134 @@ from pathlib import Path
 
 # Isolation by allow-list, through bubblewrap (`bwrap`, the sandbox behind Flatpak; the Makefile
 # installs it where the machine allows). Each call gets new user, mount, PID, network, IPC, UTS and
-# cgroup namespaces and a new session. Its root holds only /usr, the interpreter and its venv
-# (read-only, by their real paths), a minimal /dev and its own /proc, and size-capped tmpfs
-# folders (WORK, the working directory, and /tmp) that exist only inside it: the repository, its
-# .git and data, runs/, home folders, /run and every socket path are absent. It runs as the
-# unprivileged uid SANDBOX_UID with NO_NEW_PRIVS (set-id programs gain nothing), a fresh session
-# keyring (and, in its user namespace, a fresh user keyring), a process limit of 1 (no children),
-# CPU, memory, file-size and open-file caps and an empty environment. Killing bwrap kills the PID
-# namespace's first process and with it every process inside, whatever it did (setsid included).
-SANDBOX_UID = 65534  # "nobody"
-TMPFS_MB = 16  # each of WORK and /tmp: the program's total writes are bounded
+# cgroup namespaces and a new session, for root and for normal users alike: inside its own user
+# namespace the program is SANDBOX_UID with no capabilities and may not make another user
+# namespace. Its root holds only /usr, the interpreter and its venv (read-only, by their real
+# paths), a minimal /dev and its own /proc, and size-capped tmpfs folders (WORK, the working
+# directory, and /tmp) that exist only inside it: the repository, its .git and data, runs/, home
+# folders, /run and every socket path are absent. A seccomp filter (SECCOMP_RULES) forbids
+# children, keyrings, SysV IPC, memfd, fallocate, file locks, io_uring, userfaultfd, bpf, perf and
+# the VSOCK/ALG sockets; rlimits cap CPU, memory, file size and open files; the environment is
+# empty. Output comes back through pipes, read up to a byte cap: the program holds no host file.
+# Killing bwrap kills the PID namespace's first process and with it every process inside.
+SANDBOX_UID = 65534  # "nobody", inside the call's own user namespace
+TMPFS_MB = 16  # each of WORK, /tmp and /dev/shm: the program's total writes are bounded
 WORK = "/sandbox"  # its working folder, a tmpfs inside its namespaces
+REPOSITORY = Path(__file__).resolve().parents[1]
+# answer files that ship inside installed packages: present in the venv, empty in the sandbox
+PACKAGE_ANSWERS = {"bfcl_eval": "data/possible_answer"}
 
 SANDBOX_BOOT = r"""
-import ctypes, os, resource, sys
-memory_mb, cpu_s, file_mb, python, uid, keyctl = sys.argv[1:]
+import os, resource, sys
+memory_mb, cpu_s, file_mb, python = sys.argv[1:]
 mb = 1 << 20
 for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT_CPU, int(cpu_s)),
                      (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
-                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 1)]:
+                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0)]:
     resource.setrlimit(limit, (value, value))
-os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))  # drops every capability
-if int(keyctl):  # KEYCTL_CLEAR the user keyring: no notes from an earlier run
-    ctypes.CDLL(None).syscall(int(keyctl), 7, -4)
 threads = {k: "1" for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"]}
 os.execve(python, [python, "-I", "-B", "main.py"], threads)
 """
-KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl syscall number
-KEYCTL_JOIN_SESSION_KEYRING = 1
+
+# The seccomp filter: the audit architecture, the syscall numbers it denies outright, and the
+# numbers of clone, clone3, socket and fcntl, whose arguments it reads.
+SYSCALLS = {
+    "x86_64": {
+        "arch": 0xC000003E,
+        "deny": {"fork": 57, "vfork": 58, "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
+                 "flock": 73, "add_key": 248, "request_key": 249, "keyctl": 250,
+                 "fallocate": 285, "perf_event_open": 298, "memfd_create": 319, "bpf": 321,
+                 "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+                 "io_uring_register": 427},
+        "clone": 56, "clone3": 435, "socket": 41, "fcntl": 72,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7,
+        "deny": {"shmget": 194, "shmat": 196, "semget": 190, "msgget": 186, "flock": 32,
+                 "add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47,
+                 "perf_event_open": 241, "memfd_create": 279, "bpf": 280, "userfaultfd": 282,
+                 "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
+        "clone": 220, "clone3": 435, "socket": 198, "fcntl": 25,
+    },
+}
+CLONE_THREAD = 0x10000  # clone without it makes a process: denied; with it, a thread: allowed
+DENIED_SOCKET_FAMILIES = [38, 40]  # AF_ALG, AF_VSOCK
+DENIED_FCNTL_COMMANDS = [6, 7, 37, 38]  # F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW
+EPERM, ENOSYS = 1, 38
+
+# classic BPF, as seccomp(2) reads it: (code, jump if true, jump if false, k)
+LOAD_WORD, JUMP_EQ, JUMP_GE, JUMP_SET, RETURN = 0x20, 0x15, 0x35, 0x45, 0x06
+SECCOMP_ALLOW, SECCOMP_ERRNO, SECCOMP_KILL = 0x7FFF0000, 0x00050000, 0x80000000
+NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little-endian)
 
 
-def new_session_keyring():
-    """Join a new, empty, anonymous session keyring (keyctl(2)): the trainer's keys stay out of
-    reach of what runs next."""
-    number = KEYCTL.get(platform.machine())
-    if number is not None:
-        ctypes.CDLL(None, use_errno=True).syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None)
+def seccomp_filter(machine):
+    """The filter as bytes for bwrap's --seccomp: a list of instructions whose jump targets are
+    labels, assembled into relative offsets."""
+    table = SYSCALLS[machine]
+    program = [(LOAD_WORD, None, None, ARCH), (JUMP_EQ, None, "kill", table["arch"]),
+               (LOAD_WORD, None, None, NR)]
+    if machine == "x86_64":  # the x32 ABI's numbers
+        program.append((JUMP_GE, "deny", None, 0x40000000))
+    program += [(JUMP_EQ, "deny", None, number) for number in table["deny"].values()]
+    program += [(JUMP_EQ, "clone", None, table["clone"]), (JUMP_EQ, "enosys", None, table["clone3"]),
+                (JUMP_EQ, "socket", None, table["socket"]), (JUMP_EQ, "fcntl", None, table["fcntl"]),
+                (RETURN, None, None, SECCOMP_ALLOW),
+                "clone", (LOAD_WORD, None, None, ARG0), (JUMP_SET, "allow", "deny", CLONE_THREAD),
+                "socket", (LOAD_WORD, None, None, ARG0)]
+    program += [(JUMP_EQ, "deny", None, family) for family in DENIED_SOCKET_FAMILIES]
+    program += [(RETURN, None, None, SECCOMP_ALLOW), "fcntl", (LOAD_WORD, None, None, ARG1)]
+    program += [(JUMP_EQ, "deny", None, command) for command in DENIED_FCNTL_COMMANDS]
+    program += ["allow", (RETURN, None, None, SECCOMP_ALLOW),
+                "deny", (RETURN, None, None, SECCOMP_ERRNO | EPERM),
+                "enosys", (RETURN, None, None, SECCOMP_ERRNO | ENOSYS),
+                "kill", (RETURN, None, None, SECCOMP_KILL)]
+    labels, instructions = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(instructions)
+        else:
+            instructions.append(item)
+    assembled = b""
+    for index, (code, if_true, if_false, k) in enumerate(instructions):
+        jump_true = labels[if_true] - index - 1 if if_true else 0
+        jump_false = labels[if_false] - index - 1 if if_false else 0
+        assembled += struct.pack("<HBBI", code, jump_true, jump_false, k)
+    return assembled
 
 
-def bwrap_command(python, prefixes, code_fd, memory_mb, timeout, hidden):
+def bound_prefixes():
+    """The interpreter's folders, by their real paths: the venv and the Python it was made from."""
+    return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)} - {"/usr"})
+
+
+def answer_folders():
+    """Folders of gold answers shipped inside installed packages (found without importing them)."""
+    folders = []
+    for package, inside in PACKAGE_ANSWERS.items():
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin:
+            folder = Path(spec.origin).resolve().parent / inside
+            if folder.is_dir():
+                folders.append(str(folder))
+    return folders
+
+
+def prefix_problem(prefixes, hidden):
+    """Why binding `prefixes` would show the program what it must not see, or None: the repository
+    (its .git, runs/ and data), any git repository, or a folder of the run's data."""
+    for prefix in prefixes:
+        if REPOSITORY == Path(prefix) or Path(prefix) in REPOSITORY.parents:
+            return f"the interpreter's folder {prefix} holds the repository (make the venv inside it)"
+        if (Path(prefix) / ".git").exists():
+            return f"the interpreter's folder {prefix} is a git repository"
+        for path in hidden:
+            if str(Path(path).parent) == prefix:
+                return f"the interpreter's folder {prefix} holds the run's data file {path}"
+    return None
+
+
+def bwrap_command(python, prefixes, code_fd, seccomp_fd, memory_mb, timeout, hidden):
     """The bwrap command line: the allow-listed root (see above), then SANDBOX_BOOT's caps."""
     root = ["--ro-bind", "/usr", "/usr"]
     for top in ["/bin", "/lib", "/lib64", "/sbin"]:  # merged-/usr links, or the folders
@@ -67,105 +159,141 @@ def bwrap_command(python, prefixes, code_fd, memory_mb, timeout, hidden):
         elif os.path.isdir(top):
             root += ["--ro-bind", top, top]
     parents = sorted({str(up) for path in prefixes for up in Path(path).parents} - {"/"})
-    for parent in parents:  # traversable by SANDBOX_UID, whatever the host's modes
+    for parent in parents:  # traversable inside, whatever the host's modes
         root += ["--perms", "0755", "--dir", parent]
     for path in prefixes:
         root += ["--ro-bind", path, path]
-    for path in hidden:  # data under an allowed folder (e.g. inside the venv) reads as empty
-        if any(path.startswith(p + "/") for p in ["/usr", *prefixes]) and os.path.isfile(path):
+    readable = ["/usr", *prefixes]
+    for path in hidden:  # the run's data under an allowed folder reads as empty
+        if any(path.startswith(p + "/") for p in readable) and os.path.isfile(path):
             root += ["--ro-bind", "/dev/null", path]
+    for folder in answer_folders():  # and so do the packages' answer folders
+        if any(folder.startswith(p + "/") for p in readable):
+            root += ["--size", "4096", "--tmpfs", folder, "--remount-ro", folder]
     size = str(TMPFS_MB << 20)
     return [
-        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup", "--die-with-parent", "--new-session", "--clearenv",
-        "--proc", "/proc", "--dev", "/dev",
-        *(arg for folder in ["/dev/shm", "/tmp", WORK]  # writable by SANDBOX_UID, size-capped
+        "bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        "--disable-userns", "--cap-drop", "ALL", "--unshare-pid", "--unshare-net",
+        "--unshare-ipc", "--unshare-uts", "--unshare-cgroup", "--die-with-parent",
+        "--new-session", "--clearenv", "--proc", "/proc", "--dev", "/dev",
+        *(arg for folder in ["/dev/shm", "/tmp", WORK]  # writable inside, size-capped
           for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]),
         *root,  # after the tmpfs folders, so a venv under /tmp is bound on top of its tmpfs
-        "--file", str(code_fd), f"{WORK}/main.py",
+        "--file", str(code_fd), f"{WORK}/main.py", "--seccomp", str(seccomp_fd),
         "--chdir", WORK, "--", python, "-I", "-c", SANDBOX_BOOT, str(memory_mb),
-        str(int(timeout) + 1), "1", python, str(SANDBOX_UID),
-        str(KEYCTL.get(platform.machine(), 0))]
+        str(int(timeout) + 1), "1", python]
 
 
-def sandbox_isolates():
-    """True when each Python tool call can run under bubblewrap here; checked once, and a
-    machine without it is told so in one line."""
-    if not hasattr(sandbox_isolates, "ok"):
-        sandbox_isolates.ok = shutil.which("bwrap") is not None and run_program(
-            "print(1)", 30, 256, 100, (), isolate=True) == ("1", True)
-        if not sandbox_isolates.ok:
-            print(
-                "WARNING: the Python tool runs WITHOUT OS-level isolation (needs bubblewrap and "
-                "user namespaces): only resource limits, an empty environment and a temp folder "
-                "apply; network, file reads, writes the user may make and child processes are NOT "
-                "blocked.", file=sys.stderr)
-    return sandbox_isolates.ok
+def isolation_problem():
+    """None when each Python tool call is isolated here, else why not (one line). Only success is
+    remembered: a failed check is made again at the next call."""
+    if getattr(isolation_problem, "ok", False):
+        return None
+    if sys.platform != "linux" or platform.machine() not in SYSCALLS:
+        return f"no seccomp filter for {sys.platform} on {platform.machine()}"
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    problem = prefix_problem(bound_prefixes(), [])
+    if problem:
+        return problem
+    output, ok = run_program("print(1)", 30, 256, 100, [], isolate=True)
+    if (output, ok) != ("1", True):
+        return f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]})"
+    isolation_problem.ok = True
+    return None
 
 
-def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=()):
+def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=(),
+                unsafe=False):
     """Run model-written code in an isolated process and return (output, ok); never raises.
 
     Output is stdout plus the last stderr line on failure, cut at `max_output` characters; a run
     past `timeout` seconds is killed with everything it started. `hidden_files` (the run's data)
-    are absent, or read as empty where they lie under a folder the program may read. A failure of
-    the tool itself is an error observation for the agent, never an exception in the trainer.
+    are absent, or read as empty where they lie under a folder the program may read. Without
+    isolation the tool is disabled and says why, unless `unsafe` (the user's explicit opt-in) runs
+    the code unisolated. A failure of the tool itself is an error observation for the agent, never
+    an exception in the trainer.
     """
     try:
         hidden = [str(Path(f).resolve()) for f in hidden_files]
-        return run_program(code, timeout, memory_mb, max_output, hidden, sandbox_isolates())
+        if unsafe:
+            return run_program(code, timeout, memory_mb, max_output, hidden, isolate=False)
+        problem = isolation_problem() or prefix_problem(bound_prefixes(), hidden)
+        if problem:
+            return f"error: the Python tool is disabled: {problem}", False
+        return run_program(code, timeout, memory_mb, max_output, hidden, isolate=True)
     except Exception as err:  # noqa: BLE001 - by contract: an observation, not a crash
         return f"error: the Python tool failed ({type(err).__name__})", False
 
 
+def read_capped(process, timeout, max_bytes):
+    """stdout's first `max_bytes` and stderr's last 2000 bytes, read as they come until both
+    close or `timeout` passes; the rest is read and dropped, so the program never blocks."""
+    deadline = time.monotonic() + timeout
+    kept = {process.stdout: b"", process.stderr: b""}
+    with selectors.DefaultSelector() as selector:
+        for pipe in kept:
+            selector.register(pipe, selectors.EVENT_READ)
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                elif key.fileobj is process.stdout:
+                    kept[process.stdout] = (kept[process.stdout] + chunk)[:max_bytes]
+                else:
+                    kept[process.stderr] = (kept[process.stderr] + chunk)[-2000:]
+        finished = not selector.get_map()
+    return kept[process.stdout], kept[process.stderr], finished
+
+
 def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
-    """One run: the program, its output files, the kill at the timeout (python_tool)."""
+    """One run: the program, its capped output, and the kill of its process group on every exit
+    path (a timeout, an exception, Ctrl-C in the trainer)."""
     import resource
 
+    # the venv's own interpreter, reached through the real path of its folder
+    python = str(Path(sys.executable).parent.resolve() / Path(sys.executable).name)
     with tempfile.TemporaryDirectory(prefix="agentflow_py_", ignore_cleanup_errors=True) as tmp:
-        tmp = Path(tmp)
-        (tmp / "main.py").write_text(code)
         fds = []
-        with open(tmp / "stdout", "wb") as stdout, open(tmp / "stderr", "wb") as stderr:
-            # the venv's own interpreter, reached through the real path of its folder
-            python = str(Path(sys.executable).parent.resolve() / Path(sys.executable).name)
-            if isolate:
-                prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
-                                  - {"/usr"})
-                fds = [os.open(tmp / "main.py", os.O_RDONLY)]
-                command = bwrap_command(python, prefixes, fds[0], memory_mb, timeout, hidden)
-                preexec, cwd = new_session_keyring, "/"
-            else:
-                command, cwd = [sys.executable, "-I", "-B", "main.py"], tmp
+        if isolate:
+            fds = [os.memfd_create("main.py"), os.memfd_create("seccomp")]
+            os.write(fds[0], code.encode("utf-8", "replace"))
+            os.write(fds[1], seccomp_filter(platform.machine()))
+            for fd in fds:
+                os.lseek(fd, 0, os.SEEK_SET)
+            command = bwrap_command(
+                python, bound_prefixes(), fds[0], fds[1], memory_mb, timeout, hidden)
+            preexec, cwd = None, "/"
+        else:
+            Path(tmp, "main.py").write_text(code)
+            command, cwd = [python, "-I", "-B", "main.py"], tmp
 
-                def preexec():
-                    for limit, value in [
-                        (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 1 << 20),
-                        (resource.RLIMIT_CPU, int(timeout) + 1)]:
-                        resource.setrlimit(limit, (value, value))
+            def preexec():
+                for limit, value in [
+                    (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 1 << 20),
+                    (resource.RLIMIT_CPU, int(timeout) + 1)]:
+                    resource.setrlimit(limit, (value, value))
 
-            try:
-                process = subprocess.Popen(
-                    command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=stdout,
-                    stderr=stderr, preexec_fn=preexec, start_new_session=True, pass_fds=fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # bwrap: its PID namespace goes too
-                process.wait()
-                for _ in range(200):  # until the killed group has exited (at most 2 s more)
-                    try:
-                        os.killpg(process.pid, 0)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.01)
-                return f"error: timed out after {timeout:g} s", False
-        text = (tmp / "stdout").read_bytes()[: max_output + 1].decode("utf-8", "replace")
-        errors = (tmp / "stderr").read_bytes()[-2000:].decode("utf-8", "replace")
-    errors = errors.strip().splitlines()
+        try:
+            process = subprocess.Popen(
+                command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            stdout, stderr, finished = read_capped(process, timeout, max_output + 1)
+            if finished:
+                process.wait(timeout=max(0.1, timeout / 10))
+        except subprocess.TimeoutExpired:
+            finished = False
+        finally:
+            kill_group(process)
+    if not finished:
+        return f"error: timed out after {timeout:g} s", False
+    text = stdout.decode("utf-8", "replace")
+    errors = stderr.decode("utf-8", "replace").strip().splitlines()
     if process.returncode and errors:
         text += "\n" + errors[-1]
     text = text.strip() or (
@@ -173,3 +301,21 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
         else f"error: exit status {process.returncode}")
     cut = " …[truncated]" if len(text) > max_output else ""
     return text[:max_output] + cut, process.returncode == 0
+
+
+def kill_group(process):
+    """SIGKILL the process group (bwrap: its PID namespace goes too), then wait until it is gone
+    (at most 2 s more) and close the pipes."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+    for _ in range(200):
+        try:
+            os.killpg(process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.01)
+    process.stdout.close()
+    process.stderr.close()

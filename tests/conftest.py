@@ -19,3 +19,15 @@ def flow_grpo_cache(tmp_path_factory):
     """One cache of flow_grpo's toy base model and reward classifier for the whole session (~20 s to
     train)."""
     return tmp_path_factory.mktemp("flow_grpo_cache")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the Python tool cannot be isolated its isolation tests do not run: say so loudly, not
+    as one skip among many."""
+    from envs import sandbox
+
+    problem = sandbox.isolation_problem()
+    if problem:
+        terminalreporter.write_line(
+            f"NOT ISOLATED HERE: {problem}. The Python tool is disabled on this machine and its "
+            "isolation tests did not run (tests/test_python_tool.py).", red=True, bold=True)

@@ -1,20 +1,28 @@
-"""sandbox.python_tool: model-written code runs isolated at the OS level. Each hostile program
-below is checked from outside: no file appears anywhere we watch, no packet reaches a loopback
-listener, no process is left, no secret or gold answer is printed, and the trainer is untouched."""
+"""sandbox.python_tool: model-written code runs isolated at the OS level, or not at all. Each
+hostile program below is checked from outside: no file appears anywhere we watch, no packet reaches
+a loopback listener, no process is left, no secret or gold answer is printed, no note passes from
+one call to another, and the trainer is untouched. The same holds for a trainer run by a normal
+user. Where this machine cannot isolate, the isolation tests do not run and the session's summary
+says so ("not isolated here"); the fail-closed tests run everywhere."""
 
 import ctypes
 import os
+import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+import venv
 from pathlib import Path
 
 import pytest
 
 from envs import sandbox
 
-pytestmark = pytest.mark.skipif(
-    not sandbox.sandbox_isolates(), reason="needs bubblewrap")
+PROBLEM = sandbox.isolation_problem()
+isolated = pytest.mark.skipif(PROBLEM is not None, reason=f"not isolated here: {PROBLEM}")
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-123"
@@ -56,6 +64,19 @@ def outside(tmp_path_factory):
                     "commit", "-qm", "gold"], check=True)
     yield {"dir": base, "udp": udp, "tcp": tcp, "udp6": udp6, "unix": unix, "pid": os.getpid()}
     del os.environ["AGENTFLOW_SECRET"]
+
+
+def sandbox_processes():
+    """Processes left by the tool: bwrap, or an interpreter running a program `main.py`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if command.startswith(b"bwrap\0") or b"\0-B\0main.py\0" in command:
+            found.append(int(proc.name))
+    return found
 
 
 def hostile_programs(o):
@@ -113,6 +134,21 @@ def hostile_programs(o):
         "fill the disk": "\n".join(["for i in range(64):",
                                      "    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))"]),
         "a setuid helper": "import os; os.execv('/usr/bin/passwd', ['passwd', '-S', 'root'])",
+        # past the caps: host disk through an output fd, memory outside RLIMIT_AS, inodes
+        "allocate host disk through stdout": "import ctypes\n"
+        "print(ctypes.CDLL(None).fallocate(1, 1, 0, 48 << 20))",
+        "allocate through a file of its own": "import ctypes, os\nfd = os.open('f', os.O_RDWR | "
+        "os.O_CREAT)\nprint(ctypes.CDLL(None).fallocate(fd, 1, 0, 48 << 20))",
+        "detached shared memory past the limit": "import ctypes\nc = ctypes.CDLL(None)\n"
+        f"i = c.shmget({SHM_KEY}, 120 << 20, 0o1666)\nc.shmat(i, None, 0)\nprint(i)",
+        "memory through a memfd": "import os\nfd = os.memfd_create('m')\n"
+        "os.write(fd, b'x' * (64 << 20))",
+        "tmpfs inode flood": "import os\nfor i in range(60000): open(f'n{i}', 'w').close()",
+        "a nested user namespace": "import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))",
+        "io_uring": "import ctypes\nprint(ctypes.CDLL(None).syscall(425, 8, bytes(120)))",
+        "userfaultfd": "import ctypes\nprint(ctypes.CDLL(None).syscall(323, 0))",
+        "a vsock socket": "import socket\nsocket.socket(40, socket.SOCK_STREAM)",
+        "the persistent keyring": "import ctypes\nprint(ctypes.CDLL(None).syscall(250, 22, -1, -4))",
     }
 
 
@@ -128,18 +164,12 @@ def untouched(o, readme_before):
             sock.recv(1)
     with pytest.raises(BlockingIOError):
         o["tcp"].accept()
-    owners = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                owners.append(proc.stat().st_uid)
-            except FileNotFoundError:
-                pass
-    assert sandbox.SANDBOX_UID not in owners  # no process of the sandbox is left
+    assert sandbox_processes() == []  # no process of the sandbox is left
     assert not Path("/run/lock/pwned_l").exists()
     assert str(SHM_KEY) not in Path("/proc/sysvipc/shm").read_text()  # its IPC namespace is gone
 
 
+@isolated
 def test_hostile_programs_have_no_effect_outside(outside):
     readme_before = (REPO / "README.md").read_bytes()
     programs = hostile_programs(outside)
@@ -164,6 +194,7 @@ def test_the_check_can_fail(outside):
     os.remove(outside["dir"] / "h")
 
 
+@isolated
 def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
     output, ok = sandbox.python_tool(
         "import numpy as np, sympy as sp\n"
@@ -175,14 +206,10 @@ def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
     assert ok and output == "hi"
 
 
+@isolated
 def test_works_from_a_symlinked_virtual_environment(tmp_path):
     """A venv whose real folder lies under /tmp (a tmpfs inside the sandbox), reached through a
     symlink under runs/, still runs the tool, in that venv."""
-    import shutil
-    import subprocess
-    import sys
-    import venv
-
     venv.create(tmp_path / "venv", with_pip=False)
     link = REPO / "runs" / f"venv-link-{os.getpid()}"
     link.parent.mkdir(exist_ok=True)
@@ -200,6 +227,7 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
     assert ran_in == str((tmp_path / "venv").resolve()), ran_in + done.stderr[-500:]
 
 
+@isolated
 @pytest.mark.parametrize("code", [
     "import os\nos.makedirs('/'.join(['d'] * 1200))",  # a cleanup that used to recurse too deep
     "import os, time\nos.setsid()\nwhile True: open('x', 'w').write('y')",  # keeps writing
@@ -207,3 +235,224 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
 def test_no_program_makes_the_tool_raise(code):
     output, ok = sandbox.python_tool(code, timeout=2)
     assert isinstance(output, str) and ok is False
+
+
+@isolated
+def test_every_denied_system_call_fails_inside():
+    """Each call the seccomp filter denies returns an error inside the sandbox; threads still
+    work (numpy and sympy need them), children do not."""
+    raising = {  # Python raises PermissionError (or OSError) for these
+        "fork": "import os\nos.fork()",
+        "flock": "import fcntl\nfcntl.flock(open('/usr/lib/os-release'), fcntl.LOCK_EX)",
+        "fcntl lock": "import fcntl\nfcntl.lockf(open('/tmp/x', 'w'), fcntl.LOCK_EX)",
+        "memfd_create": "import os\nos.memfd_create('m')",
+        "fallocate": "import os\nos.posix_fallocate(os.open('f', os.O_RDWR | os.O_CREAT), 0, 4096)",
+        "AF_ALG socket": "import socket\nsocket.socket(38, socket.SOCK_SEQPACKET)",
+    }
+    for name, code in raising.items():
+        output, ok = sandbox.python_tool(code, timeout=5)
+        assert not ok and "Error" in output, (name, output)
+    returning = {  # the raw call returns -1
+        "keyctl (the user keyring)": "syscall(250, 0, -4, 0)",
+        "add_key": "syscall(248, b'user', b'k', b'v', 1, -4)",
+        "shmget": "shmget(0, 4096, 0o1600)",
+        "unshare a user namespace": "unshare(0x10000000)",
+        "io_uring_setup": "syscall(425, 8, bytes(120))",
+        "bpf": "syscall(321, 0, bytes(128), 128)",
+        "perf_event_open": "syscall(298, bytes(128), 0, -1, -1, 0)",
+    }
+    for name, call in returning.items():
+        output, ok = sandbox.python_tool(f"import ctypes\nprint(ctypes.CDLL(None).{call})")
+        assert (output, ok) == ("-1", True), (name, output)
+    output, ok = sandbox.python_tool(
+        "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start(); t.join()")
+    assert (output, ok) == ("thread", True)
+
+
+@isolated
+def test_nothing_passes_from_one_call_to_the_next():
+    """A note left in a keyring or a file by one call is gone at the next: episodes are
+    independent."""
+    sandbox.python_tool(
+        "import ctypes\nc = ctypes.CDLL(None)\n"
+        "for ring in (-4, -5): c.syscall(248, b'user', b'note', b'left-by-1', 9, ring)\n"
+        "open('/tmp/note', 'w').write('left-by-1'); open('note', 'w').write('left-by-1')")
+    output, _ = sandbox.python_tool(
+        "import ctypes, os\nc = ctypes.CDLL(None)\nfor ring in (-4, -5):\n"
+        "    k = c.syscall(250, 10, ring, b'user', b'note', 0)\n"
+        "    b = ctypes.create_string_buffer(99); c.syscall(250, 11, k, b, 99); print(b.value)\n"
+        "print([os.path.exists(p) for p in ('/tmp/note', 'note')])")
+    assert "left-by-1" not in output and "[False, False]" in output, output
+
+
+@isolated
+def test_three_concurrent_calls_all_succeed():
+    """Calls in flight at once do not limit each other (no per-uid process count is shared)."""
+    results = [None] * 3
+
+    def call(k):
+        results[k] = sandbox.python_tool(f"import time\ntime.sleep(1.5)\nprint({k})", timeout=20)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [("0", True), ("1", True), ("2", True)]
+
+
+def run_as(uid, code, python=sys.executable, timeout=120):
+    """Run `code` with the repository importable in a fresh interpreter as user `uid`."""
+    call = f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n{code}"
+    command = [python, "-c", call]
+    if uid is not None:
+        command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@isolated
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None
+                    or not Path("/usr/bin/python3").exists(),
+                    reason="needs root, setpriv and /usr/bin/python3 to become a normal user")
+def test_a_normal_user_gets_the_same_isolation():
+    """A trainer run by uid 1000 (from a venv of its own holding numpy and sympy): ordinary code
+    works and runs isolated; the user's own private file, its folder and the network are out of
+    reach."""
+    import tempfile
+
+    import numpy
+    import sympy
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="normal-user-"))  # pytest's own folder is root's
+    try:
+        normal_user_run(tmp_path, numpy, sympy)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def normal_user_run(tmp_path, numpy, sympy):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "id_ed25519").write_text(SECRET)
+    env = home / "venv"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(env)], check=True)
+    site = next(env.glob("lib/python3*/site-packages"))
+    for module in (numpy, sympy, __import__("mpmath")):
+        shutil.copytree(Path(module.__file__).parent, site / module.__name__)
+    if Path(numpy.__file__).parent.with_name("numpy.libs").exists():
+        shutil.copytree(Path(numpy.__file__).parent.with_name("numpy.libs"), site / "numpy.libs")
+    subprocess.run(["chown", "-R", "1000:1000", str(tmp_path)], check=True)
+    os.chmod(home / "id_ed25519", 0o600)
+    os.chmod(tmp_path, 0o755)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    programs = [
+        "import numpy as np, sympy as sp, os\nprint(int(np.arange(10).sum()), sp.factorint(360), os.getuid())",
+        f"print(open({str(home / 'id_ed25519')!r}).read())",
+        f"open({str(home / 'pwned')!r}, 'w')",
+        f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {port}))",
+        "import os\nos.fork()",
+    ]
+    code = (f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"
+            "    print(repr(sandbox.python_tool(p, timeout=20)))")
+    lines = run_as(1000, code, python=str(env / "bin" / "python")).splitlines()
+    assert lines[0] == "None", lines
+    assert lines[1] == repr(("45 {2: 3, 3: 2, 5: 1} 65534", True)), lines
+    assert all(SECRET not in line for line in lines) and lines[2].endswith("False)"), lines
+    assert lines[5].endswith("False)"), lines  # no children
+    assert not (home / "pwned").exists()
+    with pytest.raises(BlockingIOError):
+        listener.recv(1)
+
+
+@isolated
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to start processes of uid 65534")
+def test_processes_of_the_sandbox_uid_elsewhere_change_nothing(tmp_path):
+    """Three processes of uid 65534 elsewhere on the host (another trainer's calls, a daemon):
+    a fresh trainer's check still passes and its calls are still isolated."""
+    secret = tmp_path / "root-only"
+    secret.write_text(SECRET)
+    os.chmod(secret, 0o600)
+    sleepers = [subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                  "sleep", "60"]) for _ in range(3)]
+    try:
+        out = run_as(None, "sandbox.isolation_problem.__dict__.clear()\n"
+                     "print(sandbox.isolation_problem())\n"
+                     f"print(sandbox.python_tool({f'print(open({str(secret)!r}).read())'!r}))")
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+    assert out.splitlines()[0] == "None" and SECRET not in out, out
+
+
+@isolated
+def test_ctrl_c_in_the_trainer_leaves_no_process_behind():
+    """SIGINT to a trainer in the middle of a call: the trainer stops and the program with it."""
+    trainer = subprocess.Popen([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
+        "sandbox.python_tool('import time\\ntime.sleep(60)', timeout=60)")])
+    deadline = time.time() + 30
+    while time.time() < deadline and not sandbox_processes():
+        time.sleep(0.1)
+    started = sandbox_processes()
+    assert started, "the call never started"
+    trainer.send_signal(signal.SIGINT)
+    trainer.wait(timeout=30)
+    time.sleep(0.5)
+    assert not set(started) & set(sandbox_processes())
+
+
+def test_without_bubblewrap_the_tool_refuses(tmp_path, monkeypatch):
+    """Fail closed: with no bwrap on PATH the tool runs nothing, says why, and a marker program
+    writes nothing; the explicit opt-in runs it unisolated."""
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sandbox.isolation_problem, "ok", False, raising=False)
+    problem = sandbox.isolation_problem()
+    assert problem == "bubblewrap (bwrap) is not installed"
+    output, ok = sandbox.python_tool(f"open({str(marker)!r}, 'w').write('ran')")
+    assert not ok and output == f"error: the Python tool is disabled: {problem}"
+    assert not marker.exists()
+    output, ok = sandbox.python_tool(f"open({str(marker)!r}, 'w').write('ran')", unsafe=True)
+    assert ok and marker.read_text() == "ran"
+
+
+def test_an_interpreter_folder_holding_the_repository_or_a_git_repository_is_refused(tmp_path):
+    """A venv made at the repository's root (or any git repository) would bind the repository,
+    its .git and runs/ into the sandbox: the tool is disabled instead."""
+    assert "holds the repository" in sandbox.prefix_problem([str(sandbox.REPOSITORY)], [])
+    assert "holds the repository" in sandbox.prefix_problem(["/"], [])
+    (tmp_path / ".git").mkdir()
+    assert "git repository" in sandbox.prefix_problem([str(tmp_path)], [])
+    assert "data file" in sandbox.prefix_problem(
+        [str(tmp_path / "v")], [str(tmp_path / "v" / "gold.jsonl")])
+    assert sandbox.prefix_problem([str(tmp_path / "v")], []) is None
+
+
+@isolated
+def test_a_venv_at_a_repository_root_refuses_and_runs_nothing(tmp_path):
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    venv.create(repo, with_pip=False)
+    marker = tmp_path / "marker"
+    program = f"open({str(marker)!r}, 'w')"
+    call = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
+            f"print(sandbox.python_tool({program!r}))")
+    done = subprocess.run([str(repo / "bin" / "python"), "-c", call], capture_output=True,
+                          text=True, timeout=60)
+    assert "disabled" in done.stdout and "git repository" in done.stdout, done.stdout + done.stderr
+    assert not marker.exists()
+
+
+@isolated
+def test_answer_files_shipped_in_packages_read_as_empty():
+    for folder in sandbox.answer_folders():
+        assert os.listdir(folder)
+        output, ok = sandbox.python_tool(f"import os; print(os.listdir({folder!r}))")
+        assert (output, ok) == ("[]", True)
