@@ -93,8 +93,10 @@ def seccomp_filter(machine):
     if machine == "x86_64":  # the x32 ABI's numbers
         program.append((JUMP_GE, "deny", None, 0x40000000))
     program += [(JUMP_EQ, "deny", None, number) for number in table["deny"].values()]
-    program += [(JUMP_EQ, "clone", None, table["clone"]), (JUMP_EQ, "enosys", None, table["clone3"]),
-                (JUMP_EQ, "socket", None, table["socket"]), (JUMP_EQ, "fcntl", None, table["fcntl"]),
+    program += [(JUMP_EQ, "clone", None, table["clone"]),
+                (JUMP_EQ, "enosys", None, table["clone3"]),
+                (JUMP_EQ, "socket", None, table["socket"]),
+                (JUMP_EQ, "fcntl", None, table["fcntl"]),
                 (RETURN, None, None, SECCOMP_ALLOW),
                 "clone", (LOAD_WORD, None, None, ARG0), (JUMP_SET, "allow", "deny", CLONE_THREAD),
                 "socket", (LOAD_WORD, None, None, ARG0)]
@@ -141,7 +143,8 @@ def prefix_problem(prefixes, hidden):
     (its .git, runs/ and data), any git repository, or a folder of the run's data."""
     for prefix in prefixes:
         if REPOSITORY == Path(prefix) or Path(prefix) in REPOSITORY.parents:
-            return f"the interpreter's folder {prefix} holds the repository (make the venv inside it)"
+            return (f"the interpreter's folder {prefix} holds the repository "
+                    "(make the venv in a folder of its own, e.g. .venv)")
         if (Path(prefix) / ".git").exists():
             return f"the interpreter's folder {prefix} is a git repository"
         for path in hidden:

@@ -148,7 +148,8 @@ def hostile_programs(o):
         "io_uring": "import ctypes\nprint(ctypes.CDLL(None).syscall(425, 8, bytes(120)))",
         "userfaultfd": "import ctypes\nprint(ctypes.CDLL(None).syscall(323, 0))",
         "a vsock socket": "import socket\nsocket.socket(40, socket.SOCK_STREAM)",
-        "the persistent keyring": "import ctypes\nprint(ctypes.CDLL(None).syscall(250, 22, -1, -4))",
+        "the persistent keyring": "import ctypes\n"
+        "print(ctypes.CDLL(None).syscall(250, 22, -1, -4))",
     }
 
 
@@ -265,7 +266,8 @@ def test_every_denied_system_call_fails_inside():
         output, ok = sandbox.python_tool(f"import ctypes\nprint(ctypes.CDLL(None).{call})")
         assert (output, ok) == ("-1", True), (name, output)
     output, ok = sandbox.python_tool(
-        "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start(); t.join()")
+        "import threading\nt = threading.Thread(target=print, args=('thread',))\n"
+        "t.start(); t.join()")
     assert (output, ok) == ("thread", True)
 
 
@@ -351,10 +353,12 @@ def normal_user_run(tmp_path, numpy, sympy):
     listener.setblocking(False)
     port = listener.getsockname()[1]
     programs = [
-        "import numpy as np, sympy as sp, os\nprint(int(np.arange(10).sum()), sp.factorint(360), os.getuid())",
+        "import numpy as np, sympy as sp, os\n"
+        "print(int(np.arange(10).sum()), sp.factorint(360), os.getuid())",
         f"print(open({str(home / 'id_ed25519')!r}).read())",
         f"open({str(home / 'pwned')!r}, 'w')",
-        f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {port}))",
+        "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+        f".sendto(b'x', ('127.0.0.1', {port}))",
         "import os\nos.fork()",
     ]
     code = (f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"

@@ -20,21 +20,17 @@ def test_lines_fit_in_100_columns():
 ALGORITHMS = ["flowrl.py", "flow_grpo.py", "rc_grpo.py", "agentflow.py"]
 
 
-def test_each_algorithm_file_reads_on_a_few_screens():
-    """≤ 500 lines, no function over 120, the first loss in the first 40 % of the file; common.py
-    ≤ 400 lines."""
+def test_each_algorithm_file_shows_its_loss_early():
+    """The paper's math comes first: the first loss function sits in the first half of the file.
+    No line or function caps: a file reads by its density (docs/testing.md), not its length."""
     import ast
 
     for name in ALGORITHMS:
         source = (ROOT / name).read_text(encoding="utf-8")
         lines = len(source.splitlines())
         functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
-        longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
         first_loss = min(n.lineno for n in functions if n.name.endswith("_loss"))
-        assert lines <= 500, (name, lines)
-        assert longest.end_lineno - longest.lineno + 1 <= 120, (name, longest.name)
-        assert first_loss <= 0.4 * lines, (name, first_loss, lines)
-    assert len((ROOT / "common.py").read_text(encoding="utf-8").splitlines()) <= 400
+        assert first_loss <= 0.5 * lines, (name, first_loss, lines)
 
 
 def test_imports_go_one_way():
