@@ -19,25 +19,25 @@ $(VENV)/.installed: requirements.txt
 	(sudo apt-get install bubblewrap): agentflow.py's Python tool will be DISABLED on this machine"
 
 demo: $(VENV)/.installed
-	$(PY) flowrl.py --quiet
-	$(PY) flowrl.py --quiet --algo grpo
-	$(PY) flowrl.py --quiet --algo grpo-kl
+	$(PY) flowrl.py --quiet --overwrite
+	$(PY) flowrl.py --quiet --overwrite --algo grpo
+	$(PY) flowrl.py --quiet --overwrite --algo grpo-kl
 	$(PY) -c "from envs import flowrl_tasks; flowrl_tasks.plot_kl_comparison('runs')"
-	$(PY) flow_grpo.py --quiet
-	$(PY) agentflow.py --quiet
-	$(PY) rc_grpo.py --quiet
+	$(PY) flow_grpo.py --quiet --overwrite
+	$(PY) agentflow.py --quiet --overwrite
+	$(PY) rc_grpo.py --quiet --overwrite
 	@$(PY) -m utils.sweep runs
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
 # one-digit sums (greedy accuracy), FlowRL vs GRPO on many-answer questions over 3 seeds, the
 # AgentFlow planner over 3 seeds, RC-GRPO's two arms on BFCL entries.
 demo-real: $(VENV)/.installed
-	$(PY) flowrl.py --quiet --preset smollm2-addition --algo grpo
-	$(PY) flowrl.py --preset smollm2-numbers --seeds 0-2
-	for s in 0 1 2; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet \
+	$(PY) flowrl.py --quiet --overwrite --preset smollm2-addition --algo grpo
+	$(PY) flowrl.py --overwrite --preset smollm2-numbers --seeds 0-2
+	for s in 0 1 2; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet --overwrite \
 		--out-dir runs/agentflow-smollm2/seed$$s || exit 1; done
 	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
-	$(PY) rc_grpo.py --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
+	$(PY) rc_grpo.py --overwrite --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
 test: $(VENV)/.installed  # two workers (pytest-xdist), each taking the next test when it is free
 	$(PY) -m pytest -n 2 --dist worksteal

@@ -142,6 +142,9 @@ class Args:
     )
     save_every: int = cli.arg(20, "steps between checkpoints (0 = never)")
     resume: bool = cli.arg(False, "continue each arm from its checkpoint.safetensors")
+    overwrite: bool = cli.arg(
+        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)")
 
 
 # The original recipe, each value beside the original one in docs/agentflow.md (DEVIATION 5).
@@ -329,22 +332,27 @@ def evaluate(system, queries, args, accelerator=None):
 
 
 def validate(args):
-    """One line per bad flag (cli.check_args), before any model is built."""
-    cli.check_args([
-        (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-        (args.lr > 0 and args.clip_eps > 0 and args.beta >= 0,
-         "--lr and --clip-eps must be > 0, --beta ≥ 0"),
-        (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
-        (args.max_turns >= 1 and args.eval_max_turns >= 1,
-         "--max-turns and --eval-max-turns must be ≥ 1"),
-        (args.temperature > 0,
-         "--temperature must be > 0 for training rollouts (evaluation is greedy)"),
-        (args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-         "--micro-batch-tokens and --gen-batch must be ≥ 1"),
-        (bool(args.model) == bool(args.data),
-         "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy"),
-        (not args.model or args.lora_rank > 0,
-         "--model needs --lora-rank > 0: the frozen modules are the adapter-off model")])
+    """One line per bad flag (cli.check_args: every number's range, then these), before any model
+    is built."""
+    cli.check_args(
+        [
+            (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+            (args.max_turns >= 1, f"--max-turns must be ≥ 1 (got {args.max_turns})"),
+            (
+                args.temperature > 0,
+                "--temperature must be > 0 for training rollouts (evaluation is greedy)",
+            ),
+            (
+                bool(args.model) == bool(args.data),
+                "--preset full (or --model) needs --data FILE.jsonl; with neither it is the toy",
+            ),
+            (
+                not args.model or args.lora_rank > 0,
+                "--model needs --lora-rank > 0: the frozen modules are the adapter-off model",
+            ),
+        ],
+        args,
+    )
 
 
 def train_arm(args, system, out_dir, accelerator):
@@ -363,10 +371,16 @@ def train_arm(args, system, out_dir, accelerator):
     mine = distributed.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
-    run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
-                       f"agentflow ({args.credit})", ({"planner": planner},
-                       {"optimizer": optimizer}, {"rollouts": gen}), args,
-                       accelerator.is_main_process)
+    run = tracking.Run(
+        out_dir,
+        args,
+        desc=f"agentflow ({args.credit})",
+        total_steps=args.steps,
+        modules={"planner": planner},
+        optimizers={"optimizer": optimizer},
+        generators={"rollouts": gen},
+        main_process=accelerator.is_main_process,
+    )
     start, extra = run.resume()
     sampler_dev, last_eval = extra.get("sampler_dev", 0.0), None
     for step in range(start, args.steps + 1):
@@ -422,6 +436,7 @@ def train_arm(args, system, out_dir, accelerator):
                 first_dev = last_dev if first_dev is None else first_dev
                 distributed.average_gradients(params, accelerator)  # the update's one collective
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                common.check_finite(grad_norm, step, "gradient norm")
                 optimizer.step()
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
@@ -445,6 +460,7 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
+    tracking.check_out_dir(args.out_dir, args, accelerator)
     system = (agent_tools.build_full if args.model else agent_toy.build_toy)(args, device)
     if args.warm_start_steps:  # DEVIATION 6: the planner first learns the plan's format
         warm_start(system, system.train[: args.warm_start_demos], args)

@@ -331,10 +331,11 @@ def sampler_gap(batches):
                 for mb in batches), default=0.0)
 
 
-def check_finite(loss, step):
-    """A NaN or inf loss stops the run with one line instead of training on it."""
-    if not torch.isfinite(loss):
-        raise SystemExit(f"error: non-finite loss at step {step}; lower --lr or check the reward")
+def check_finite(value, step, what="loss"):
+    """A NaN or inf loss (or gradient norm) stops the run with one line instead of training on
+    it: the weights stay finite and the last checkpoint stays good."""
+    if not torch.isfinite(value):
+        raise SystemExit(f"error: non-finite {what} at step {step}; lower --lr or check the reward")
 
 
 # ----------------------------------------------------------------------------- the KL term

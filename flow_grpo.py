@@ -134,7 +134,11 @@ class Args:
     report_to: str = cli.arg("none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
                              ["none", "tensorboard"])
     save_every: int = cli.arg(50, "epochs between checkpoints (0 = never)")
+    timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
+    overwrite: bool = cli.arg(
+        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)")
 
 
 # The original SD3.5-Medium one-GPU recipe, each value beside the original in docs/flow_grpo.md.
@@ -347,31 +351,46 @@ def swapped(params, ema):
 
 
 def validate(args):
-    """One line per bad flag (cli.check_args), before any model is built."""
+    """One line per bad flag (cli.check_args: every number's range, then these), before any model
+    is built."""
     full = bool(args.model)  # the sd3 preset
-    cli.check_args([
-        (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-        (args.noise_level > 0, "--noise-level must be > 0: the ODE (a = 0) has no log-prob"),
-        (args.train_steps >= 2 and args.eval_steps >= 1,
-         "--train-steps must be ≥ 2 and --eval-steps ≥ 1"),
-        (0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]"),
-        (args.clip_range > 0 and args.lr > 0 and args.beta >= 0,
-         "--clip-range and --lr must be > 0, --beta ≥ 0"),
-        (args.epochs >= 1 and args.minibatches >= 1, "--epochs and --minibatches must be ≥ 1"),
-        (0 <= args.ema < 1 and args.eval_batch >= 1, "--ema must be in [0, 1), --eval-batch ≥ 1"),
-        (not full or args.prompts, "--preset sd3 (or --model) needs --prompts FILE"),
-        (not full or args.eval_prompts, "--preset sd3 needs --eval-prompts FILE (a held-out set; "
-         "'--eval-prompts train' evaluates on the training prompts)"),
-        (full or args.reward == "digits", "the toy (no --model) only has the digits reward"),
-        (not full or args.lora_rank > 0,
-         "--model needs --lora-rank > 0 (the reference is the disabled adapter)")])
+    cli.check_args(
+        [
+            (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+            (args.noise_level > 0, "--noise-level must be > 0: the ODE (a = 0) has no log-prob"),
+            (args.train_steps >= 2, "--train-steps must be ≥ 2"),
+            (args.timestep_fraction > 0, "--timestep-fraction must be in (0, 1]"),
+            (args.ema < 1, "--ema must be in [0, 1)"),
+            (
+                args.resolution >= 16 and args.resolution % 16 == 0,
+                f"--resolution must be a multiple of 16 (got {args.resolution})",
+            ),
+            (not full or args.prompts, "--preset sd3 (or --model) needs --prompts FILE"),
+            (
+                not full or args.eval_prompts,
+                "--preset sd3 needs --eval-prompts FILE (a held-out set; "
+                "'--eval-prompts train' evaluates on the training prompts)",
+            ),
+            (full or args.reward == "digits", "the toy (no --model) only has the digits reward"),
+            (
+                not Path(args.cache_dir).exists() or Path(args.cache_dir).is_dir(),
+                f"--cache-dir {args.cache_dir!r} is not a folder",
+            ),
+            (
+                not full or args.lora_rank > 0,
+                "--model needs --lora-rank > 0 (the reference is the disabled adapter)",
+            ),
+        ],
+        args,
+    )
 
 
 def train(args):
     """SDE rollouts → rewards → group advantages → per-step clipped ratio + β·KL, repeated."""
     validate(args)
     common.seed_everything(args.seed)
-    accelerator, device = distributed.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
+    tracking.check_out_dir(args.out_dir, args, accelerator)
     task = sd3.SD3Task(args, device) if args.model else digits.DigitsTask(args, device)
     cli.check_args([(args.prompts_per_epoch <= len(task.prompts), f"--prompts-per-epoch "
                         f"{args.prompts_per_epoch} > {len(task.prompts)} prompts available")])
@@ -388,10 +407,16 @@ def train(args):
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
     out_dir, toy = Path(args.out_dir), not args.model
     gen = torch.Generator().manual_seed(args.seed)
-    run = tracking.Run(out_dir, dataclasses.asdict(args), args.epochs,
-                       "flow_grpo", ({"policy": task.policy} | ({"ema": ema} if ema else {}),
-                                     {"optimizer": optimizer}, {"rollouts": gen}), args,
-                       accelerator.is_main_process)
+    run = tracking.Run(
+        out_dir,
+        args,
+        desc="flow_grpo",
+        total_steps=args.epochs,
+        modules={"policy": task.policy} | ({"ema": ema} if ema else {}),
+        optimizers={"optimizer": optimizer},
+        generators={"rollouts": gen},
+        main_process=accelerator.is_main_process,
+    )
     velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond)
     with swapped(params, ema):
         before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)

@@ -145,6 +145,9 @@ class Args:
     )
     save_every: int = cli.arg(50, "steps between checkpoints (0 = never)")
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
+    overwrite: bool = cli.arg(
+        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)")
 
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
@@ -282,27 +285,23 @@ def warm_up(optimizer, update, args):
 
 
 def validate(args):
+    """One line per bad flag (cli.check_args: every number's range, then these), before any model
+    is built."""
     cli.check_args(
         [
             (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-            (args.lr > 0, f"--lr must be > 0 (got {args.lr})"),
-            (args.logz_lr > 0, f"--logz-lr must be > 0 (got {args.logz_lr})"),
-            (args.clip_eps > 0, f"--clip-eps must be > 0 (got {args.clip_eps})"),
-            (args.steps >= 1 and args.inner_steps >= 1, "--steps and --inner-steps must be ≥ 1"),
-            (
-                args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-                "--micro-batch-tokens and --gen-batch must be ≥ 1"),
             (args.temperature == 1.0, "--temperature must be 1.0: log-probs are scored at T = 1"),
             (
                 (args.task == "math") == bool(args.data),
-                "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none"),
+                "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
+            ),
             (
                 (args.task == "valleys") != bool(args.model),
                 f"--task {args.task} needs --model (or a preset: full, smollm2-addition, "
                 "smollm2-numbers); the valleys toy builds its own model",
             ),
-            (args.spread_samples >= 1, "--spread-samples must be ≥ 1"),
-        ]
+        ],
+        args,
     )
 
 
@@ -312,6 +311,9 @@ def train(args):
     validate(args)
     common.seed_everything(args.seed)
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
+    name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
+    out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
+    tracking.check_out_dir(out_dir, args, accelerator)
     tokenizer, model, task = flowrl_tasks.build(args, device)
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
@@ -322,11 +324,16 @@ def train(args):
     # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
     # groups and the gradients are averaged once per optimiser step (distributed.average_gradients).
     mine = distributed.local_groups(args.prompts_per_step, accelerator)
-    name = "flowrl" + ("" if args.task in ("valleys", "math") else f"-{args.task}")
-    out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
-    run = tracking.Run(out_dir, dataclasses.asdict(args), args.steps,
-                       args.algo, ({"model": model, "head": head}, {"optimizer": optimizer},
-                                   {"rollouts": gen}), args, accelerator.is_main_process)
+    run = tracking.Run(
+        out_dir,
+        args,
+        desc=args.algo,
+        total_steps=args.steps,
+        modules={"model": model, "head": head},
+        optimizers={"optimizer": optimizer},
+        generators={"rollouts": gen},
+        main_process=accelerator.is_main_process,
+    )
     main = accelerator.is_main_process  # every rank evaluates (sharded), rank 0 logs and writes
     first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
     start, extra = run.resume()
@@ -403,6 +410,7 @@ def train(args):
                 first_dev = ratio_dev if inner == m == 0 else first_dev
                 distributed.average_gradients(trained, accelerator)  # the update's one collective
                 grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)  # log Z head included
+                common.check_finite(grad_norm, step, "gradient norm")
                 optimizer.step()
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint

@@ -139,8 +139,12 @@ class Args:
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
         ["none", "tensorboard"])
     save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
+    timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     resume: bool = cli.arg(
         False, "continue each GRPO arm from its checkpoint (stage 1 is recomputed: deterministic)")
+    overwrite: bool = cli.arg(
+        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)")
 
 
 PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo.md (DEVIATION 8)
@@ -268,27 +272,35 @@ def evaluate(world, entries, token, args, temperature=0.0):
 
 
 def validate(args):
-    """The arms to train, or one line per bad flag (cli.check_args)."""
+    """The arms to train, or one line per bad flag (cli.check_args: every number's range, then
+    these)."""
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     table_1 = ("sft+grpo", "sft+rc-grpo", "rctp+grpo", "rctp+rc-grpo")
-    cli.check_args([
-        (arms and all(a in table_1 for a in arms),
-         f"--arms must list sft+grpo, sft+rc-grpo, rctp+grpo or rctp+rc-grpo (got {args.arms!r})"),
-        (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-        (0 < args.p_high < 1, f"--p-high must be in (0, 1) (got {args.p_high})"),
-        (args.lr > 0 and args.sft_lr > 0 and args.clip_eps > 0 and args.beta >= 0,
-         "--lr, --sft-lr, --clip-eps must be > 0"),
-        (args.temperature > 0, "--temperature must be > 0 for training rollouts (eval is greedy)"),
-        (args.steps >= 1 and args.max_steps >= 1 and args.failure_rollouts >= 1,
-         "--steps, --max-steps, --failure-rollouts ≥ 1"),
-        (args.micro_batch_tokens >= 1 and args.gen_batch >= 1,
-         "--micro-batch-tokens and --gen-batch must be ≥ 1"),
-        (not args.lora_rank or len(arms) == 1,
-         "--lora-rank trains one arm per run (stage 1 is merged into the weights before stage 2)")])
+    cli.check_args(
+        [
+            (
+                arms and all(a in table_1 for a in arms),
+                "--arms must list sft+grpo, sft+rc-grpo, rctp+grpo or rctp+rc-grpo "
+                f"(got {args.arms!r})",
+            ),
+            (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
+            (0 < args.p_high < 1, f"--p-high must be in (0, 1) (got {args.p_high})"),
+            (
+                args.temperature > 0,
+                "--temperature must be > 0 for training rollouts (eval is greedy)",
+            ),
+            (
+                not args.lora_rank or len(arms) == 1,
+                "--lora-rank trains one arm per run (stage 1 is merged into the weights before "
+                "stage 2)",
+            ),
+        ],
+        args,
+    )
     return arms
 
 
-def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoint, accelerator):
+def grpo_arm(args, world, name, use_tokens, reward_conditioned, out_dir, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed
     (GRPO), one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token
     (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1
@@ -301,13 +313,20 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
     autocast = common.training_autocast(model.device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.tasks_per_step, accelerator)
-    sampler_dev, zero_var, start = 0.0, [], 1
-    state_objects = ({"policy": model}, {"optimizer": optimizer}, {"rollouts": gen})
-    # TRY NOT TO MODIFY: weights, optimiser, RNGs, metrics so far
-    if args.resume and checkpoint.exists():
-        done, extra = tracking.load_training_state(checkpoint, *state_objects)
-        sampler_dev, zero_var, start = extra["sampler_dev"], extra["zero_var"], done + 1
-        logger.restore(extra["records"])
+    # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
+    run = tracking.Run(
+        out_dir / name,
+        args,
+        desc=name,
+        total_steps=args.steps,
+        modules={"policy": model},
+        optimizers={"optimizer": optimizer},
+        generators={"rollouts": gen},
+        main_process=accelerator.is_main_process,
+        config=dataclasses.asdict(args) | {"arm": name},
+    )
+    start, extra = run.resume()
+    sampler_dev, zero_var = extra.get("sampler_dev", 0.0), extra.get("zero_var", [])
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO) or a fixed one (GRPO)
@@ -356,6 +375,7 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
             loss.backward()
         distributed.average_gradients(params, accelerator)  # the one collective of the step
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
         optimizer.step()
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
@@ -370,19 +390,22 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, logger, checkpoi
                 hits = [r["reward"] for r in runs if bool(r["rare"]) == (kind == "rare")
                         and r["token"] == token]
                 stats |= {f"success_{tag}_{kind}": sum(hits) / len(hits)} if hits else {}
-        logger.log(
-            step, reward=rewards.mean().item(), zero_var_frac=zero_var[-1], loss=loss.item(),
-            entropy=entropy, success_high=sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
-            success_low=sum(by_token[LOW]) / max(1, len(by_token[LOW])),
-            sampler_logprob_max_dev=sampler_dev, grad_norm=grad_norm.item(), **stats)
-        last = step % args.save_every == 0 or step == args.steps if args.save_every else False
-        if last and accelerator.is_main_process:
-            tracking.save_training_state(
-                checkpoint, step, *state_objects,
-                extra={"sampler_dev": sampler_dev, "zero_var": zero_var, "records": logger.records})
-    return {
+        record = {
+            "reward": rewards.mean().item(),
+            "zero_var_frac": zero_var[-1],
+            "loss": loss.item(),
+            "entropy": entropy,
+            "success_high": sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
+            "success_low": sum(by_token[LOW]) / max(1, len(by_token[LOW])),
+            "sampler_logprob_max_dev": sampler_dev,
+            "grad_norm": grad_norm.item(),
+            **stats,
+        }
+        run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
+    result = {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),
         "sampler_logprob_max_dev": sampler_dev}
+    return result, run
 
 
 def train(args):
@@ -391,7 +414,8 @@ def train(args):
     arms = validate(args)
     start = time.time()
     common.seed_everything(args.seed)
-    accelerator, device = distributed.setup_accelerator(args.device)
+    accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
+    tracking.check_out_dir(args.out_dir, args, accelerator)
     if args.model:
         world = bfcl.build_bfcl(args, device)
     else:  # the toy's base model: a careless agent's trajectories on generic tasks
@@ -402,7 +426,6 @@ def train(args):
     cli.check_args(
         [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
     out_dir = Path(args.out_dir)
-    config = dataclasses.asdict(args)
     # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its
     # groups.
     states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
@@ -442,12 +465,8 @@ def train(args):
             world.model.load_state_dict(states[init])
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
-        logger = tracking.RunLogger(
-            out_dir / arm, config | {"arm": arm}, args.steps, arm, quiet=args.quiet,
-            main_process=accelerator.is_main_process)
-        result = grpo_arm(
-            args, world, arm, use_tokens, algo == "rc-grpo", logger,
-            out_dir / arm / "checkpoint.safetensors", accelerator)
+        result, run = grpo_arm(
+            args, world, arm, use_tokens, algo == "rc-grpo", out_dir, accelerator)
         token = HIGH if use_tokens else None
         result["accuracy"], result["bfcl_accuracy"] = evaluate(world, world.test, token, args)
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
@@ -458,13 +477,13 @@ def train(args):
             result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)[0]
         shown.append(
             f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), args))
-        summary[arm] = logger.finish(
+        summary[arm] = run.finish(
             result,
             [
                 ("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
                 ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")],
         )
-        curves[arm] = [(r["step"], r["zero_var_frac"]) for r in logger.records]
+        curves[arm] = [(r["step"], r["zero_var_frac"]) for r in run.records]
         if (args.model or args.lora_rank) and accelerator.is_main_process:
             # stage 1 is already in the weights: merging stage 2's adapter too saves the policy
             # that was trained, a plain causal LM (LoRA runs train one arm, so it is the last)
@@ -483,7 +502,7 @@ def train(args):
         tracking.plot_curves(
             curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step",
             "fraction")
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        tracking.write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
         (out_dir / "rollouts.txt").write_text("\n\n".join(shown) + "\n")
     if not args.quiet:
         print(bfcl_toy.results_table(summary, arms))

@@ -6,30 +6,24 @@ generalist; QA data and answer matching.
 """
 
 import dataclasses
-import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import common
 from envs import sandbox
-from utils import models
+from utils import cli, models
 
 
 def make_retriever(corpus_path, top_k=3, max_chars=600):
     """TF-IDF search over a local JSONL corpus of {"text"} (scikit-learn); no web access."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    path = Path(corpus_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --corpus {str(path)!r} is not a file")
+    docs = [row["text"] for row in cli.read_jsonl(corpus_path, "--corpus", ["text"])]
     try:
-        docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise SystemExit(
-            f"error: {path}: every line must be JSON with a 'text' key ({err})") from None
-    vectorizer = TfidfVectorizer().fit(docs)
+        vectorizer = TfidfVectorizer().fit(docs)
+    except ValueError as err:  # e.g. only stop words: an empty vocabulary
+        raise SystemExit(f"error: --corpus {corpus_path}: {err}") from None
     matrix = vectorizer.transform(docs)
 
     def search(query):
@@ -54,25 +48,10 @@ FULL_TOOLS = {
 }
 
 
-def load_qa_jsonl(path):
-    """[{question, answer}] from a JSONL file, with one-line errors for a missing or malformed
-    file."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"error: data file {str(path)!r} is not a file")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise SystemExit(
-                    f"error: {path}:{n}: expected JSON with 'question' and 'answer' ({err})"
-                ) from None
-    if not rows:
-        raise SystemExit(f"error: {path} holds no rows")
-    return rows
+def load_qa_jsonl(path, flag="--data"):
+    """[{question, answer}] from a JSONL file, with one-line errors for a missing, binary or empty
+    file and for null, NaN or empty fields (never a gold answer "None")."""
+    return cli.read_jsonl(path, flag, ["question", "answer"])
 
 
 def answers_match(prediction, answer):
@@ -82,6 +61,8 @@ def answers_match(prediction, answer):
         return False
     pred = " ".join(str(prediction).lower().split())
     gold = " ".join(str(answer).strip().strip(".").lower().split())
+    if not gold:  # an empty gold answer would match any prediction
+        return False
     try:
         value = float(gold.replace(",", ""))
     except ValueError:
@@ -291,6 +272,7 @@ def build_full(args, device):
     # the tool cannot read them
     hidden = tuple(f for f in (args.data, args.eval_data, args.corpus) if f)
     return ToolSystem(
-        load_qa_jsonl(args.data), load_qa_jsonl(args.eval_data) if args.eval_data else [],
+        load_qa_jsonl(args.data),
+        load_qa_jsonl(args.eval_data, "--eval-data") if args.eval_data else [],
         tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
         args.gen_batch, hidden, args.unsafe_python_tool)

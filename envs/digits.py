@@ -8,6 +8,7 @@ the sample grid and the sweep's claim.
 import copy
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,22 @@ def train_classifier(x, y, seed, steps=600):
     return model.eval().requires_grad_(False)
 
 
+def cached_models(cache, base, classifier):
+    """Load the toy's base model and classifier from `cache`; False when there is none, or it is
+    unreadable (it is then trained again and rewritten, with a note)."""
+    if not cache.exists():
+        return False
+    try:
+        tensors, _ = tracking.load_checkpoint(cache)
+        base.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("base.")})
+        classifier.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("clf.")})
+    except Exception as err:  # noqa: BLE001 - a cache: rebuilt, whatever broke it
+        print(f"note: {cache} is unreadable ({type(err).__name__}); training the toy's models "
+              "again", file=sys.stderr)
+        return False
+    return True
+
+
 class DigitsTask:
     """The toy: prompts are the digits 0–9 (10 = empty), images flattened 8×8 in [−1, 1], the reward
     P(prompted digit) under a classifier, and an independent logistic-regression judge (never a
@@ -118,12 +135,7 @@ class DigitsTask:
         base, classifier = (
             DigitVelocity(), nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 10)))
         # TRY NOT TO MODIFY: the base model and reward are trained once and cached
-        if cache.exists():
-            tensors, _ = tracking.load_checkpoint(cache)
-            base.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("base.")})
-            classifier.load_state_dict(
-                {k[4:]: v for k, v in tensors.items() if k.startswith("clf.")})
-        else:
+        if not cached_models(cache, base, classifier):
             base = pretrain_velocity(train_x, train_y, args.label_noise, args.seed)
             classifier = train_classifier(train_x, train_y, args.seed)
             tracking.save_checkpoint(

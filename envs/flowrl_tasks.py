@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import common
-from utils import distributed, models, tracking
+from utils import cli, distributed, models, tracking
 
 
 SYMBOLS = list("abcd")
@@ -109,23 +109,8 @@ def math_reward(text, answer):
 def load_math_jsonl(path):
     """[(prompt, answer)] from JSONL lines with a 'prompt' or 'problem' field and an 'answer'
     field."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"error: data file {str(path)!r} not found")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            rows.append((row.get("prompt") or row["problem"], str(row["answer"])))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise SystemExit(
-                f"error: {path}:{n} is not a JSON object with 'prompt'/'problem' and 'answer'"
-            ) from None
-    if not rows:
-        raise SystemExit(f"error: {path} has no rows")
-    return rows
+    rows = cli.read_jsonl(path, "--data", ["prompt|problem", "answer"])
+    return [(row["prompt"], row["answer"]) for row in rows]
 
 
 def chat_prompt(tokenizer, question):

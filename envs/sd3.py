@@ -3,11 +3,12 @@ the rewards (PickScore, CLIP score or any `module:function`), prompt files and t
 """
 
 import importlib
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from utils import cli
 
 
 SD3_LORA_TARGETS = [
@@ -96,19 +97,9 @@ def load_reward(args, device):
 def load_prompts(path, flag="--prompts"):
     """Prompts from a text file (one per line) or a JSONL of {"prompt": ...}; clear errors
     otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"error: {flag} {str(path)!r} is not a file")
-    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        try:
-            lines = [json.loads(line)["prompt"] for line in lines]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise SystemExit(
-                f"error: {path}: every line must be JSON with a 'prompt' key ({err})") from None
-    if not lines:
-        raise SystemExit(f"error: {path} holds no prompts")
-    return lines
+    if Path(path).suffix == ".jsonl":
+        return [row["prompt"] for row in cli.read_jsonl(path, flag, ["prompt"])]
+    return [line.strip() for _, line in cli.read_lines(path, flag)]
 
 
 def weight_dtype(mixed_precision, device):

@@ -79,3 +79,201 @@ def test_every_function_in_the_equation_map_exists_and_has_a_docstring(name):
         owner, _, attr = entry.rpartition(".")
         home = {"": module, "common": common}.get(owner) or importlib.import_module(f"envs.{owner}")
         assert (getattr(home, attr).__doc__ or "").strip(), entry
+
+
+# ------------------------------------------------ nothing lost: resume, rerun and the output folder
+
+class OneProcess:
+    """What check_out_dir needs of an Accelerator, for one process."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def run_folder(folder):
+    """A run's files as a finished run leaves them: config, two lines of metrics, a summary."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"steps": 2}\n')
+    (folder / "metrics.jsonl").write_text('{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n')
+    (folder / "summary.json").write_text('{"reward": 0.2}\n')
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def other_scripts_checkpoint(path):
+    """A readable checkpoint of another run: weights this script's model does not have."""
+    import torch
+
+    from utils import tracking
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracking.save_training_state(path, 1, {"policy": model}, {"optimizer": optimizer},
+                                 {"rollouts": torch.Generator()}, {"records": []})
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncated", "empty", "a folder", "another run's"])
+def test_a_failed_resume_leaves_the_run_as_it_was(kind, tmp_path, capsys):
+    """Every kind of unresumable checkpoint: one `error:` line, and metrics.jsonl and config.json
+    byte-identical (the history of a long run is never lost to a failed --resume)."""
+    folder = tmp_path / "run"
+    before = run_folder(folder)
+    checkpoint = folder / "checkpoint.safetensors"
+    if kind == "a folder":
+        checkpoint.mkdir()
+    elif kind == "another run's":
+        other_scripts_checkpoint(checkpoint)
+    else:
+        other_scripts_checkpoint(checkpoint)
+        data = checkpoint.read_bytes()
+        checkpoint.write_bytes({"corrupt": b"\x00garbage" * 50, "empty": b"",
+                                "truncated": data[: len(data) // 2]}[kind])
+    before = {name: (folder / name).read_bytes() for name in before}
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
+        "--quiet", "--steps", "2", "--resume", "--out-dir", str(folder)])
+    with pytest.raises(SystemExit) as exit_info:
+        flowrl.train(args)
+    message = str(exit_info.value)
+    assert message.startswith("error:") and "\n" not in message, message
+    expected = "does not match" if kind == "another run's" else "is unreadable"
+    assert expected in message and "without --resume" in message, message
+    assert {name: (folder / name).read_bytes() for name in before} == before
+
+
+def test_a_rerun_into_a_run_is_refused_and_overwrite_replaces_it(tmp_path):
+    from utils import tracking
+
+    folder = tmp_path / "run"
+    before = run_folder(folder)
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(folder)])
+    with pytest.raises(SystemExit, match="already holds a run; --resume continues it"):
+        flowrl.train(args)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    args.overwrite = True
+    tracking.check_out_dir(folder, args, OneProcess())
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    """--resume of a run that saved no checkpoint is refused (nothing would be continued); of an
+    empty folder it starts fresh and says so."""
+    from utils import tracking
+
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--resume"])
+    run_folder(tmp_path / "run")
+    with pytest.raises(SystemExit, match="holds a run but no checkpoint"):
+        tracking.check_out_dir(tmp_path / "run", args, OneProcess())
+    tracking.check_out_dir(tmp_path / "new", args, OneProcess())
+    assert "starting fresh" in capsys.readouterr().err
+    args.overwrite = True
+    with pytest.raises(SystemExit, match="exclude each other"):
+        tracking.check_out_dir(tmp_path / "new", args, OneProcess())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_out_dir_that_cannot_be_written_is_one_line(name, tmp_path):
+    (tmp_path / "file").write_text("x")
+    for out_dir, message in [(tmp_path / "file", "is a file"),
+                             ("/sys/not-writable", "not a folder this user can write")]:
+        args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS,
+                              ["--quiet", "--out-dir", str(out_dir)])
+        with pytest.raises(SystemExit, match=message) as exit_info:
+            SCRIPTS[name].train(args)
+        assert "--out-dir" in str(exit_info.value) and "\n" not in str(exit_info.value)
+
+
+# --------------------------------------------------------- every bad number: one line naming it
+
+BAD_NUMBERS = {
+    "flowrl": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
+               ["--prompts-per-step", "0"], ["--max-new-tokens", "0"], ["--beta", "-1"],
+               ["--lr", "inf"], ["--lr", "nan"], ["--save-every", "-2"], ["--timeout", "0"]],
+    "flow_grpo": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
+                  ["--prompts-per-epoch", "0"], ["--adv-clip", "-1"], ["--resolution", "7"],
+                  ["--ema", "1.5"], ["--beta", "nan"]],
+    "agentflow": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
+                  ["--queries-per-step", "0"], ["--max-new-tokens", "0"],
+                  ["--warm-start-demos", "0"], ["--tool-timeout", "-1"], ["--tool-timeout", "nan"],
+                  ["--careless", "2"]],
+    "rc_grpo": [["--seed", "-1"], ["--tasks-per-step", "0"], ["--max-new-tokens", "0"],
+                ["--lr", "inf"], ["--rare-share", "2"], ["--max-tasks", "-1"], ["--beta", "-1"]],
+}
+
+
+@pytest.mark.parametrize("name, argv", [(n, a) for n, cases in BAD_NUMBERS.items() for a in cases])
+def test_every_bad_number_is_one_line_naming_its_flag(name, argv, tmp_path):
+    args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS,
+                          ["--quiet", "--out-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPTS[name].train(args)
+    message = str(exit_info.value)
+    assert message.startswith("error:") and argv[0] in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("argv", [["--max-new-tokens", "-1"], ["--temperature", "nan"],
+                                  ["--temperature", "-1"], ["--n", "0"]])
+def test_sample_refuses_bad_numbers_before_loading(argv, tmp_path):
+    from utils import sample
+
+    with pytest.raises(SystemExit, match="error: --"):
+        sample.sample_trained([str(tmp_path), "hello", *argv])
+
+
+# ------------------------------------------------------ bad files: one line naming file and row
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8 text"),
+    (b"", "holds no rows"),
+    (b'{"question": "q", "answer": null}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+    (b'{"question": "q", "answer": NaN}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+    (b'{"question": "q", "answer": "  "}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+    (b'{"question": "q", "answer": "a"}\n["q", "a"]\n', "rows.jsonl:2: expected a JSON object"),
+    (b'{"question": "q", "answer": "a"}\n{oops\n', "rows.jsonl:2: not JSON"),
+])
+def test_data_files_with_bad_rows_get_one_line(content, message, tmp_path):
+    from envs import agent_tools
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit, match=message):
+        agent_tools.load_qa_jsonl(path)
+
+
+def test_each_loader_names_its_flag_and_row(tmp_path):
+    from envs import agent_tools, flowrl_tasks, sd3
+
+    (tmp_path / "math.jsonl").write_text('{"problem": null, "answer": "2"}\n')
+    with pytest.raises(SystemExit, match="math.jsonl:1: 'prompt|problem' must"):
+        flowrl_tasks.load_math_jsonl(tmp_path / "math.jsonl")
+    (tmp_path / "prompts.txt").write_bytes(b"\xff\xfe\x00a cat")
+    with pytest.raises(SystemExit, match="--prompts .* is not UTF-8"):
+        sd3.load_prompts(tmp_path / "prompts.txt")
+    (tmp_path / "corpus.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="--corpus .* holds no rows"):
+        agent_tools.make_retriever(tmp_path / "corpus.jsonl")
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a b ! c"}\n')  # no word of 2+ letters
+    with pytest.raises(SystemExit, match="--corpus .*empty vocabulary"):
+        agent_tools.make_retriever(tmp_path / "corpus.jsonl")
+
+
+def test_an_empty_gold_answer_matches_nothing():
+    from envs import agent_tools
+
+    assert not agent_tools.answers_match("Paris.", "")
+    assert not agent_tools.answers_match("Paris.", "  ")
+    assert agent_tools.answers_match("Paris.", "paris")
+
+
+def test_a_corrupt_toy_cache_is_rebuilt_and_a_file_cache_dir_is_refused(tmp_path, capsys):
+    from envs import digits
+
+    cache = tmp_path / "digits.safetensors"
+    cache.write_bytes(b"not a checkpoint")
+    assert not digits.cached_models(cache, None, None)
+    assert "unreadable" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    args = cli.parse_args(flow_grpo.Args, flow_grpo.PRESETS, [
+        "--quiet", "--out-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "file")])
+    with pytest.raises(SystemExit, match="--cache-dir .* is not a folder"):
+        flow_grpo.train(args)

@@ -217,8 +217,8 @@ def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
         (
             str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl",
             "could not load.*--preset toy"),
-        (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "not found"),
-        (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2 is not a JSON object"),
+        (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "is not a file"),
+        (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2: not JSON"),
     ]
     for model, data, message in cases:
         args = cli.parse_args(

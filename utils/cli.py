@@ -3,7 +3,10 @@ defaults (`--preset NAME`), and one clear line per bad value instead of a traceb
 
 import argparse
 import dataclasses
+import json
+import math
 import sys
+from pathlib import Path
 
 
 def arg(default, help, choices=None):
@@ -59,9 +62,91 @@ def parse_args(args_cls, presets=None, argv=None):
     return args
 
 
-def check_args(conditions):
-    """Exit with one clear line per violated `(condition, message)` pair instead of a deep
-    traceback."""
-    errors = [msg for ok, msg in conditions if not ok]
+# Rules that hold for a flag of this name in every script; each script's `validate` adds its own.
+COUNTS = (  # at least 1
+    "steps", "epochs", "prompts_per_step", "queries_per_step", "prompts_per_epoch",
+    "tasks_per_step", "inner_steps", "minibatches", "max_new_tokens", "eval_every", "eval_k",
+    "micro_batch_tokens", "micro_batch", "gen_batch", "eval_batch", "eval_per_prompt",
+    "train_steps", "eval_steps", "max_turns", "eval_max_turns", "sft_batch", "failure_rollouts",
+    "max_steps", "max_prompt_tokens", "timeout", "spread_samples", "warm_start_demos",
+    "toy_tasks", "toy_test_tasks")
+OPTIONAL_COUNTS = ("max_turns", "micro_batch")  # where 0 means "all"
+FRACTIONS = ("careless", "rare_share", "p_high", "timestep_fraction", "label_noise")  # in [0, 1]
+POSITIVE = ("lr", "logz_lr", "sft_lr", "warm_start_lr", "clip_eps", "clip_eps_high",
+            "clip_range", "adv_clip", "tool_timeout")
+
+
+def number_errors(args):
+    """One message per number flag that breaks the rules above; every float must be finite and
+    every other number ≥ 0."""
+    errors = []
+    for field in dataclasses.fields(args):
+        value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value != value or value in (float("inf"), float("-inf")):
+            errors.append(f"{flag} must be a finite number (got {value})")
+        elif field.name in COUNTS and not (value >= 1 or field.name in OPTIONAL_COUNTS):
+            errors.append(f"{flag} must be ≥ 1 (got {value})")
+        elif field.name in FRACTIONS and not 0 <= value <= 1:
+            errors.append(f"{flag} must be in [0, 1] (got {value})")
+        elif field.name in POSITIVE and not value > 0:
+            errors.append(f"{flag} must be > 0 (got {value})")
+        elif value < 0:
+            errors.append(f"{flag} must be ≥ 0 (got {value})")
+    return errors
+
+
+def check_args(conditions, args=None):
+    """Exit with one clear line for the violated `(condition, message)` pairs, and (given `args`)
+    the number rules above, instead of a deep traceback."""
+    errors = (number_errors(args) if args is not None else []) + [
+        msg for ok, msg in conditions if not ok]
     if errors:
         raise SystemExit("error: " + "; ".join(errors))
+
+
+def read_lines(path, flag):
+    """[(line number, line)] of a UTF-8 text file's non-empty lines, or one line saying why not
+    (missing, a folder, unreadable, binary, empty)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: {flag} {str(path)!r} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise SystemExit(
+            f"error: {flag} {path} is not UTF-8 text (bad byte at offset {err.start})") from None
+    except OSError as err:
+        raise SystemExit(f"error: {flag} {path} cannot be read ({err.strerror})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise SystemExit(f"error: {flag} {path} holds no rows")
+    return lines
+
+
+def read_jsonl(path, flag, fields):
+    """One dict per JSONL row with `fields` ("prompt|problem": the first of these present), each a
+    non-empty string (a number becomes its text); null, NaN, empty and missing fields, or a row
+    that is not a JSON object, get one line naming the file and the row."""
+    rows = []
+    for n, line in read_lines(path, flag):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"error: {path}:{n}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise SystemExit(f"error: {path}:{n}: expected a JSON object with {fields}")
+        kept = {}
+        for field in fields:
+            names = field.split("|")
+            value = next((row[name] for name in names if row.get(name) is not None), None)
+            usable = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+            if not usable or (isinstance(value, float) and not math.isfinite(value)) \
+                    or not str(value).strip():
+                raise SystemExit(
+                    f"error: {path}:{n}: {field!r} must be a non-empty string or number "
+                    f"(got {json.dumps(value)})")
+            kept[names[0]] = str(value)
+        rows.append(kept)
+    return rows

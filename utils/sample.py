@@ -20,6 +20,10 @@ def sample_trained(argv):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--n", type=int, default=1, help="completions to print")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.n < 1:
+        raise SystemExit("error: --max-new-tokens and --n must be ≥ 1")
+    if not 0 <= args.temperature < float("inf"):  # NaN fails this too
+        raise SystemExit(f"error: --temperature must be a finite number ≥ 0 (got {args.temperature})")
     folder = Path(args.folder)
     if not (folder / "config.json").exists() and not (folder / "adapter_config.json").exists():
         raise SystemExit(

@@ -1,6 +1,7 @@
 """Run plumbing: the logger (config, JSONL metrics, summary, plots, TensorBoard) and checkpoints
 that are atomic and resume bit-exactly."""
 
+import dataclasses
 import io
 import json
 import os
@@ -14,26 +15,46 @@ import numpy as np
 import torch
 
 
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.safetensors")  # a run is in the folder
+
+
+def write_atomically(path, text):
+    """Replace `path` with `text` through a temporary file and a rename: a crash leaves the old file
+    or the new one, never a truncated one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class RunLogger:
     """Writes config.json, metrics.jsonl (one line per step), summary.json and PNG curves under
     out_dir; shows a tqdm bar and one compact stdout line per logged step. With
-    config["report_to"] == "tensorboard" the same numbers also go to out_dir/tensorboard."""
+    config["report_to"] == "tensorboard" the same numbers also go to out_dir/tensorboard.
 
-    def __init__(self, out_dir, config, total_steps, desc, quiet=False, main_process=True):
+    `records` are the metrics of a resumed run's steps so far: metrics.jsonl is replaced by them
+    (through a temporary file) and then appended to, never truncated in place."""
+
+    def __init__(self, out_dir, config, total_steps, desc, quiet=False, main_process=True,
+                 records=()):
         from tqdm import tqdm
 
         self.out_dir = Path(out_dir)
-        self.records = []
+        self.records = list(records)
         self.quiet = quiet or not main_process
         self.main_process = main_process  # other ranks keep the records in memory and write nothing
+        self.metrics_file = io.StringIO()
         if main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.metrics_file = (
-            open(self.out_dir / "metrics.jsonl", "w") if main_process else io.StringIO()
-        )
+            write_atomically(self.out_dir / "config.json",
+                             json.dumps(config, indent=2, default=str))
+            lines = "".join(json.dumps(record) + "\n" for record in self.records)
+            write_atomically(self.out_dir / "metrics.jsonl", lines)
+            self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
         self.bar = tqdm(
             total=total_steps, desc=desc, disable=self.quiet, leave=False, file=sys.stderr)
+        self.bar.update(self.records[-1]["step"] if self.records else 0)
         self.start = time.time()
         self.tensorboard = None
         if main_process and config.get("report_to") == "tensorboard":
@@ -60,15 +81,6 @@ class RunLogger:
             )
             self.bar.write(line)
 
-    def restore(self, records):
-        """Continue a resumed run: the metrics logged before the checkpoint are written again
-        first."""
-        for record in records:
-            self.records.append(record)
-            self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
-        self.bar.update(records[-1]["step"] if records else 0)
-
     def finish(self, summary, plots=()):
         """Write summary.json and one PNG per (filename, keys, title) in `plots`, from the logged
         records."""
@@ -84,7 +96,7 @@ class RunLogger:
             "peak_rss_mb": round(peak_rss_mb)}
         if not self.main_process:
             return summary
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomically(self.out_dir / "summary.json", json.dumps(summary, indent=2))
         for filename, keys, title in plots:
             plot_curves(
                 {k: [(r["step"], r[k]) for r in self.records if k in r] for k in keys},
@@ -197,36 +209,99 @@ def load_training_state(path, modules, optimizers, generators):
     return state["step"], state["extra"]
 
 
+def check_out_dir(out_dir, args, accelerator):
+    """Before any model is built: `out_dir` is a folder this user can write, and a run already in
+    it is never overwritten by accident. Without --resume or --overwrite a folder holding a run is
+    refused; --overwrite deletes that run's files; --resume needs a readable checkpoint (an empty
+    folder starts fresh, and says so). Every refusal is one line naming the flag. Every rank checks
+    the same folder (nothing is written before all have); then the main process deletes."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"error: --out-dir {str(out_dir)!r} is a file, not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as err:
+        raise SystemExit(
+            f"error: --out-dir {str(out_dir)!r} is not a folder this user can write "
+            f"({err.strerror or type(err).__name__})") from None
+    files = [p for name in RUN_FILES for p in out_dir.rglob(name)]
+    checkpoints = [p for p in files if p.name == "checkpoint.safetensors"]
+    if files and not (args.resume or args.overwrite):
+        raise SystemExit(
+            f"error: --out-dir {str(out_dir)!r} already holds a run; --resume continues it, "
+            "--overwrite replaces it, or choose another --out-dir")
+    if args.resume and args.overwrite:
+        raise SystemExit("error: --resume and --overwrite exclude each other")
+    if args.resume and files and not checkpoints:
+        raise SystemExit(
+            f"error: --resume: {str(out_dir)!r} holds a run but no checkpoint "
+            "(--save-every 0?); --overwrite starts it again")
+    if args.resume and not files:
+        print(f"note: --resume: {str(out_dir)!r} holds no run yet; starting fresh",
+              file=sys.stderr)
+    for path in checkpoints:
+        if args.resume:
+            unreadable_checkpoint_exits(path, load_checkpoint)
+    accelerator.wait_for_everyone()
+    if args.overwrite and accelerator.is_main_process:
+        for path in files:
+            path.unlink(missing_ok=True)
+
+
+def unreadable_checkpoint_exits(path, load):
+    """load(path), or one line saying why the checkpoint cannot be resumed (nothing is touched)."""
+    try:
+        return load(path)
+    except SystemExit:
+        raise
+    except Exception as err:  # noqa: BLE001 - any unreadable file: one line, not a traceback
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise SystemExit(
+            f"error: {path} is unreadable ({reason}); delete it or run without --resume"
+        ) from None
+
+
 class Run:
     """One training run's plumbing, not a trainer (the loop stays in the script): the RunLogger
-    and an atomic checkpoint of `state` = (modules, optimizers, generators) every `save_every`
+    and an atomic checkpoint of the `modules`, `optimizers` and `generators` every `save_every`
     steps and at the last step, from which `resume` continues bit-exactly.
 
-    Only the main process writes; every process keeps the records."""
+    Nothing in out_dir is written before `resume()` has loaded the checkpoint: a checkpoint that
+    fails to load leaves the run's files as they were. Only the main process writes; every
+    process keeps the records."""
 
-    def __init__(self, out_dir, config, total_steps, desc, state, args, main_process=True,
-                 checkpoint=None):
-        self.logger = RunLogger(out_dir, config, total_steps, desc, args.quiet, main_process)
-        self.checkpoint = Path(checkpoint or Path(out_dir) / "checkpoint.safetensors")
-        self.state, self.total_steps, self.main_process = state, total_steps, main_process
-        self.save_every, self.resuming = args.save_every, args.resume
+    def __init__(self, out_dir, args, *, desc, total_steps, modules, optimizers, generators,
+                 main_process=True, config=None):
+        self.out_dir, self.args, self.desc = Path(out_dir), args, desc
+        self.checkpoint = self.out_dir / "checkpoint.safetensors"
+        self.state = (modules, optimizers, generators)
+        self.total_steps, self.main_process = total_steps, main_process
+        self.config = config or dataclasses.asdict(args)
+        self.logger = None
 
     @property
     def records(self):
         return self.logger.records
 
     def resume(self):
-        """(first step to run, the `extra` saved with the checkpoint); (1, {}) for a fresh run."""
-        if not (self.resuming and self.checkpoint.exists()):
-            return 1, {}
-        done, extra = load_training_state(self.checkpoint, *self.state)
-        self.logger.restore(extra.pop("records"))
-        return done + 1, extra
+        """(first step to run, the `extra` saved with the checkpoint); (1, {}) for a fresh run.
+        Then, and only then, the logger opens out_dir's files."""
+        start, extra = 1, {}
+        if self.args.resume and self.checkpoint.exists():
+            done, extra = unreadable_checkpoint_exits(
+                self.checkpoint, lambda path: load_training_state(path, *self.state))
+            start = done + 1
+        self.logger = RunLogger(
+            self.out_dir, self.config, self.total_steps, self.desc, self.args.quiet,
+            self.main_process, records=extra.pop("records", []))
+        return start, extra
 
     def log(self, step, record, extra=None):
         """Log one step's metrics; checkpoint when it is time, with JSON-able `extra`."""
         self.logger.log(step, **record)
-        due = step % self.save_every == 0 or step == self.total_steps if self.save_every else False
+        save_every = self.args.save_every
+        due = step % save_every == 0 or step == self.total_steps if save_every else False
         if due and self.main_process:
             save_training_state(self.checkpoint, step, *self.state,
                                 extra=(extra or {}) | {"records": self.logger.records})
