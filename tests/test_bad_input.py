@@ -96,7 +96,8 @@ def run_folder(folder):
     """A run's files as a finished run leaves them: config, two lines of metrics, a summary."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text('{"steps": 2}\n')
-    (folder / "metrics.jsonl").write_text('{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n')
+    (folder / "metrics.jsonl").write_text(
+        '{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n')
     (folder / "summary.json").write_text('{"reward": 0.2}\n')
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 

@@ -355,6 +355,6 @@ def test_a_reward_that_returns_nan_or_raises_gets_one_clear_message(
 def test_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
-    for name, message in [("empty.txt", "no prompts"), ("bad.jsonl", "'prompt' key")]:
+    for name, message in [("empty.txt", "holds no rows"), ("bad.jsonl", "'prompt' must be")]:
         with pytest.raises(SystemExit, match=message):
             flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--prompts", str(tmp_path / name)))

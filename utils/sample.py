@@ -23,7 +23,8 @@ def sample_trained(argv):
     if args.max_new_tokens < 1 or args.n < 1:
         raise SystemExit("error: --max-new-tokens and --n must be ≥ 1")
     if not 0 <= args.temperature < float("inf"):  # NaN fails this too
-        raise SystemExit(f"error: --temperature must be a finite number ≥ 0 (got {args.temperature})")
+        raise SystemExit(
+            f"error: --temperature must be a finite number ≥ 0 (got {args.temperature})")
     folder = Path(args.folder)
     if not (folder / "config.json").exists() and not (folder / "adapter_config.json").exists():
         raise SystemExit(
