@@ -55,6 +55,7 @@ Sample from the trained planner (full preset; a LoRA adapter on --model):
     python -m utils.sample runs/agentflow/planner "Question: ... Plan the next step."
 """
 
+import collections
 import copy
 import dataclasses
 import json
@@ -197,7 +198,7 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     return torch.cat(rows)
 
 
-def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta,
+def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip_high, beta,
                    token_count, dual_clip=0.0):
     """The paper's Flow-GRPO objective as a loss, per planner token t of every turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
@@ -282,7 +283,7 @@ def run_agent(queries, system, plan, max_turns):
 def planner_sampler(system, temperature, args):
     """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
     return lambda prompts: common.sample_completions(
-        system.planner, system.tokenizer, prompts, args.max_new_tokens, temperature,
+        system.planner, system.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
         batch_rows=args.gen_batch, precision=args.mixed_precision)
 
 
@@ -383,69 +384,118 @@ def train_arm(args, system, out_dir, accelerator):
     )
     start, extra = run.resume()
     sampler_dev, last_eval = extra.get("sampler_dev", 0.0), None
+    num_queries = len(system.train)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
-        # 1. G rollouts of the whole system per query (this rank's queries), of different lengths
-        pick = torch.randint(len(system.train), (args.queries_per_step,), generator=gen)[
-            mine.start : mine.stop
-        ]
-        queries = [system.train[i] for i in pick.tolist() for _ in range(args.group_size)]
+        # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
+        #    the planner, executor, verifier and generator in turn (Eq. 2)
+        picked = torch.randint(num_queries, (args.queries_per_step,), generator=gen)
+        picked = picked[mine.start : mine.stop].tolist()
+        queries = [system.train[i] for i in picked for _ in range(args.group_size)]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
-            torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
+            noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
+            torch.manual_seed(noise_seed)
         system.frozen_temperature = args.temperature  # frozen modules sample as the planner does
         trajectories = run_agent(queries, system, plan, args.max_turns)
+
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
-        #    (the Flow-GRPO objective)
-        rewards = torch.tensor([t["reward"] for t in trajectories])
+        #    (Eqs. 4 and 7)
+        rewards = [t["reward"] for t in trajectories]
+        rewards = torch.tensor(rewards)
         turns = [len(t["turns"]) for t in trajectories]
-        row_adv = broadcast_advantages(rewards, turns, args.group_size, args.group_norm)  # (Σ T_i,)
-        rows = list(zip((turn for t in trajectories for turn in t["turns"]), row_adv.tolist()))
+        turn_advantages = broadcast_advantages(
+            rewards, turns, args.group_size, mode=args.group_norm)  # (Σ T_i,)
+        planner_turns = [turn for t in trajectories for turn in t["turns"]]
+        samples = list(zip(planner_turns, turn_advantages.tolist()))  # (turn, A_i) pairs
         # the ablation: only each trajectory's last planner turn is trained
         if args.credit == "final-turn":
-            rows = [rows[k] for k in (torch.tensor(turns).cumsum(0) - 1).tolist()]
+            last_turns = torch.tensor(turns).cumsum(0) - 1
+            samples = [samples[k] for k in last_turns.tolist()]
+
         # 3. --minibatches disjoint mini-batches of turn-samples in token-bounded micro-batches;
         #    π_old = the trainer's own no-grad forward before any update, π_ref once
-        prompts, completions = [t["prompt"] for t, _ in rows], [t["ids"] for t, _ in rows]
+        prompts = [turn["prompt"] for turn, _ in samples]
+        completions = [turn["ids"] for turn, _ in samples]
+        sampler_logps = [turn["old_logp"] for turn, _ in samples]
+        advantages = [advantage for _, advantage in samples]
+        advantages = torch.tensor(advantages, device=device)  # (turn-samples,)
         planner.train()
-        parts = [common.scored_micro_batches(
-            tokenizer, prompts, completions, [t["old_logp"] for t, _ in rows],
-            args.micro_batch_tokens, device, planner, reference, args.temperature,
-            precision=args.mixed_precision, rows=part)
-            for part in common.split_minibatches(len(rows), args.minibatches)]
-        sampler_dev = max(sampler_dev, common.sampler_gap([mb for part in parts for mb in part]))
+        minibatches = []
+        for rows in common.split_minibatches(len(samples), args.minibatches):
+            micro_batches = common.scored_micro_batches(
+                tokenizer,
+                prompts,
+                completions,
+                sampler_logps=sampler_logps,
+                token_budget=args.micro_batch_tokens,
+                device=device,
+                model=planner,
+                reference=reference,
+                temperature=args.temperature,
+                precision=args.mixed_precision,
+                rows=rows,
+            )
+            minibatches.append(micro_batches)
+        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
+        step_gap = common.sampler_gap(every_micro_batch)
+        sampler_dev = max(sampler_dev, step_gap)
+
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
-        #    gradients accumulated over its micro-batches
-        first_dev = None
-        for inner in range(args.inner_steps):
-            for part in parts:
-                optimizer.zero_grad()
-                token_count = max(1, sum(int(mb.mask.sum()) for mb in part))
-                loss, stats, last_dev = torch.zeros(()), {}, 0.0  # an empty mini-batch: no update
-                for mb in part:
-                    advantages = torch.tensor([rows[k][1] for k in mb.rows], device=device)  # (B,)
-                    with autocast:
-                        logp = common.completion_logprobs(  # (B, W)
-                            planner, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
-                    loss, stats = flow_grpo_loss(
-                        logp, mb.old_logp, mb.ref_logp, advantages, mb.mask, args.clip_eps,
-                        args.clip_eps_high, args.beta, token_count, args.dual_clip)
-                    common.check_finite(loss, step)
-                    loss.backward()
-                    last_dev = max(last_dev, stats["ratio_dev"])  # max |ρ − 1| of this update
-                first_dev = last_dev if first_dev is None else first_dev
-                distributed.average_gradients(params, accelerator)  # the update's one collective
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-                common.check_finite(grad_norm, step, "gradient norm")
-                optimizer.step()
+        #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
+        updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
+        num_updates = len(updates)
+        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every update, every micro-batch
+        stat_sums, stat_rows = collections.defaultdict(float), 0
+        for update, minibatch in enumerate(updates):
+            optimizer.zero_grad()
+            token_count = sum(int(mb.mask.sum()) for mb in minibatch)
+            token_count = max(1, token_count)
+            for mb in minibatch:
+                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+                completion_len = mask.shape[1]
+                with autocast:
+                    logp = common.completion_logprobs(  # (B, W)
+                        planner, ids, attn, completion_len, temperature=args.temperature)
+                loss, stats = flow_grpo_loss(
+                    logp,
+                    mb.old_logp,
+                    mb.ref_logp,
+                    advantages[rows],
+                    mask,
+                    clip_low=args.clip_eps,
+                    clip_high=args.clip_eps_high,
+                    beta=args.beta,
+                    token_count=token_count,
+                    dual_clip=args.dual_clip,
+                )
+                common.check_finite(loss, step)
+                loss.backward()
+                logged["loss"] += loss.item() / num_updates
+                deviation = stats.pop("ratio_dev")  # max |ρ − 1| of this micro-batch
+                logged["ratio_dev"] = max(logged["ratio_dev"], deviation)
+                num_micro_rows = len(rows)
+                stat_rows += num_micro_rows
+                for name, value in stats.items():
+                    stat_sums[name] += value * num_micro_rows
+            if update == 0:
+                logged["ratio_dev_first"] = logged["ratio_dev"]  # on-policy: exactly 0
+            distributed.average_gradients(params, accelerator)  # the update's one collective
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            common.check_finite(grad_norm, step, "gradient norm")
+            optimizer.step()
+        stats = {name: total / max(1, stat_rows) for name, total in stat_sums.items()}
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
-        rewards = accelerator.gather(rewards.float().to(device)).cpu()
-        record = {"reward": rewards.mean().item(), "loss": loss.item(), "turn_samples": len(rows),
-                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-                  "mean_turns": sum(turns) / len(turns), "sampler_logprob_max_dev": sampler_dev,
-                  "grad_norm": grad_norm.item(), **stats, "ratio_dev_first": first_dev,
-                  "ratio_dev_last": last_dev}
+        rewards = rewards.float().to(device)
+        rewards = accelerator.gather(rewards)
+        rewards = rewards.cpu()
+        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record["reward"] = rewards.mean().item()
+        record["turn_samples"] = len(samples)
+        record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
+        record["mean_turns"] = sum(turns) / len(turns)
+        record["grad_norm"] = grad_norm.item()
         due = step % args.eval_every == 0 or step == args.steps
         if system.test and due:
             last_eval = evaluate(system, system.test, args, accelerator)

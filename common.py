@@ -5,11 +5,8 @@ Only what two or more scripts use lives here; each script writes its own loss. T
     group_advantages        A_i = (r_i − mean_g r) / (std_g r + ε)  (GRPO's group-relative adv.)
     zero_variance_fraction  share of groups with std_g r = 0 (A ≡ 0, no policy gradient)
     token_logprobs          log π(y_t | y_<t) from logits
-    sequence_logprob        log π(y|x) = Σ_t log π(y_t|·)   (optionally ÷ |y|)
     kl_penalty              k1 = −d, k2 = d²/2, k3 = e^d − d − 1,  d = log π_ref − log π_θ
                             (GRPO's KL to the reference)
-    gaussian_logprob        log N(x; μ, s²I), averaged over the non-batch dims
-                            (Flow-GRPO's averaged log-prob)
 
 Also what every loop touches: sampling with the sampler's own log-probs, token-bounded
 micro-batches with π_old and π_ref scored once (scored_micro_batches), mini-batches, the
@@ -81,27 +78,7 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def sequence_logprob(token_logp, mask, length_normalize=False):
-    """log π(y|x) = Σ_t log π(y_t|x, y_<t) over masked tokens; ÷|y| when length_normalize (FlowRL's
-    length normalisation)."""
-    total = (token_logp * mask).sum(-1)
-    return total / mask.sum(-1).clamp(min=1) if length_normalize else total
-
-
-def gaussian_logprob(x, mean, std):
-    """log N(x; mean, std²·I) per element, **averaged** over all non-batch dims → (B,).
-
-    Averaging (the official Flow-GRPO choice, inherited from DDPO; Flow-GRPO's averaged log-prob)
-    makes the ratio a per-dimension geometric mean, so a sensible clip range is tiny (1e-4 for SD3,
-    not 0.2); summing over 64×64×16 latent dims gives ratios that overflow.
-    """
-    x, mean = x.float(), mean.float()
-    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
-    per_elem = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * np.log(2 * np.pi)
-    return per_elem.flatten(1).mean(1)
-
-
-def completion_logprobs(model, input_ids, attention_mask, completion_len, temperature=1.0,
+def completion_logprobs(model, input_ids, attention_mask, completion_len, *, temperature=1.0,
                         return_hidden=False):
     """log π(y_t | x, y_<t) of the last `completion_len` tokens of padded sequences → (B, W).
 
@@ -175,7 +152,7 @@ class SampledLogprobs:
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompts, max_new_tokens, temperature=1.0,
+def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature=1.0,
                        stop_at_eos=True, batch_rows=64, precision="auto", row_seeds=None):
     """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
@@ -266,15 +243,16 @@ def place_logprobs(mask, logps):
 
 
 @torch.no_grad()
-def reference_logprobs(model, reference, input_ids, attention_mask, completion_len,
+def reference_logprobs(model, reference, input_ids, attention_mask, completion_len, *,
                        temperature=1.0):
     """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter
     disabled."""
     if reference is not None:
         return completion_logprobs(
-            reference, input_ids, attention_mask, completion_len, temperature)
+            reference, input_ids, attention_mask, completion_len, temperature=temperature)
     with model.disable_adapter():
-        return completion_logprobs(model, input_ids, attention_mask, completion_len, temperature)
+        return completion_logprobs(
+            model, input_ids, attention_mask, completion_len, temperature=temperature)
 
 
 @dataclasses.dataclass
@@ -292,7 +270,7 @@ class MicroBatch:
     ref_logp: torch.Tensor = None
 
 
-def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_budget, device,
+def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, token_budget, device,
                          model=None, reference=None, temperature=1.0, with_reference=True,
                          precision="auto", rows=None):
     """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most `token_budget`
@@ -316,10 +294,11 @@ def scored_micro_batches(tokenizer, prompts, completions, sampler_logps, token_b
             mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])
         if model is not None:
             with torch.no_grad(), training_autocast(device, precision):
-                mb.old_logp = completion_logprobs(model, ids, attn, mask.shape[1], temperature)
+                mb.old_logp = completion_logprobs(
+                    model, ids, attn, mask.shape[1], temperature=temperature)
                 if with_reference:
                     mb.ref_logp = reference_logprobs(
-                        model, reference, ids, attn, mask.shape[1], temperature)
+                        model, reference, ids, attn, mask.shape[1], temperature=temperature)
         out.append(mb)
     return out
 

@@ -13,7 +13,7 @@ steps (10, "denoising reduction"); evaluation uses the full ODE schedule (40).
 Equation map (paper → function):
     Eqs. 7–9   mean = x + [v + σ_t²/(2t)·(x + (1−t)·v)]·dt,  s = σ_t·√|dt|,  σ_t = a·√(t/(1−t))
                                                                     → sde_step_with_logprob
-    ratio      log N(x_next; mean, s²I), averaged over dims         → common.gaussian_logprob
+    ratio      log N(x_next; mean, s²I), averaged over dims         → gaussian_logprob
     KL         ‖mean_θ − mean_ref‖² / (2σ_t²), averaged over dims (official)
                                                                     → gaussian_mean_kl
     CFG        v = v_∅ + w·(v_c − v_∅)                               → guided_velocity
@@ -59,6 +59,7 @@ Sample from the trained LoRA (sd3 preset), in Python (the tests reload it the sa
     pipe("a red bicycle", num_inference_steps=40, guidance_scale=4.5).images[0].save("out.png")
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -67,6 +68,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 
@@ -155,6 +157,20 @@ PRESETS = {
 # -------------------- the math: the SDE step and its log-prob, the per-step objective, its KL, CFG
 
 
+def gaussian_logprob(x, mean, std):
+    """log N(x; mean, std²·I) per element, **averaged** over all non-batch dims → (B,)
+    (DEVIATION 1).
+
+    Averaging (the official Flow-GRPO choice, inherited from DDPO; Flow-GRPO's averaged log-prob)
+    makes the ratio a per-dimension geometric mean, so a sensible clip range is tiny (1e-4 for SD3,
+    not 0.2); summing over 64×64×16 latent dims gives ratios that overflow.
+    """
+    x, mean = x.float(), mean.float()
+    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
+    per_elem = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * np.log(2 * np.pi)
+    return per_elem.flatten(1).mean(1)
+
+
 def sde_step_with_logprob(
     velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, noise=None
 ):
@@ -183,11 +199,11 @@ def sde_step_with_logprob(
         noise = torch.randn_like(mean) if noise is None else noise.float().to(mean.device)
         prev_sample = mean + std * noise
     # DEVIATION 1: mean over dims
-    log_prob = common.gaussian_logprob(prev_sample.detach(), mean, std)
+    log_prob = gaussian_logprob(prev_sample.detach(), mean, std)
     return prev_sample.detach(), log_prob, mean, std
 
 
-def step_loss(v, v_ref, x, x_next, sigma, sigma_next, old_logp, advantages, args):
+def step_loss(v, v_ref, x, x_next, *, sigma, sigma_next, old_logp, advantages, args):
     """The per-step objective at one trained denoising step j of a trajectory:
         ρ = exp(log π_θ(x_{j+1}|x_j) − log π_old(x_{j+1}|x_j))   (Eqs. 7–9 give the density)
         L = mean_i [ −min(ρ_i·A_i, clip(ρ_i, 1−ε, 1+ε)·A_i) + β·KL_i ],  KL = ‖μ_θ − μ_ref‖²/(2σ_t²)
@@ -252,7 +268,7 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step
     return torch.stack(latents), (torch.stack(log_probs) if log_probs else None)
 
 
-def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, micro, args):
+def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, args):
     """`rollout` with the SDE over `micro` rows at a time: noise[0] is x_1 (n, ...), noise[1:] each
     step's noise. Returns latents (T+1, n, ...) and the sampler's log-probs (T, n)."""
     parts = [
@@ -401,7 +417,7 @@ def train(args):
     ema = torch.nn.ParameterList([p.detach().clone() for p in params]) if args.ema else None
     # TRY NOT TO MODIFY: with N processes each rank keeps its block of groups (gradients: below)
     mine = distributed.local_groups(args.prompts_per_epoch, accelerator)
-    rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
+    my_rows = slice(mine.start * args.group_size, mine.stop * args.group_size)
     train_sigmas = schedule(args.train_steps, args.shift, device)
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
@@ -423,55 +439,95 @@ def train(args):
     start, extra = run.resume()
     before, sampler_dev = extra.get("before", before), extra.get("sampler_dev", 0.0)
     updates = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
+    num_prompts = len(task.prompts)
+    rollouts_per_epoch = args.prompts_per_epoch * args.group_size
     for epoch in range(start, args.epochs + 1):
         # ALGO LOGIC
-        # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank draws
-        #    the whole batch's prompts and noise from one generator and keeps its rows: N processes
-        #    sample what one does.
-        pick = torch.randperm(len(task.prompts), generator=gen)[: args.prompts_per_epoch].tolist()
-        prompts = [task.prompts[i] for i in pick for _ in range(args.group_size)]
-        noise = torch.randn((len(train_sigmas), len(prompts), *task.latent_shape), generator=gen)
-        prompts, noise = prompts[rows], noise[:, rows].to(device)  # x_1, then each step's noise
-        cond, empty = task.encode(prompts), task.empty(len(prompts))
-        micro = args.micro_batch or len(prompts)
-        # 2. SDE rollouts in the training micro-batch shape (DEVIATION 6): latents (T+1, n, ...)
-        #    and the sampler's per-step log-probs (T, n)
-        latents, old_logp = sde_rollouts(velocity, noise, train_sigmas, cond, empty, micro, args)
-        # 3. rewards → group advantages, shared by every step of a trajectory
-        rewards = score(task.reward, task.decode(latents[-1]), prompts, args.reward)
-        all_rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch's (global std)
-        advantages = common.group_advantages(all_rewards, args.group_size, scale=args.adv_std)
-        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)[rows].to(device)
-        # 4. `minibatches` optimiser steps, each over all trained steps of its samples
-        order = torch.randperm(args.prompts_per_epoch * args.group_size, generator=gen)
-        order = order[(order >= rows.start) & (order < rows.stop)].to(device) - rows.start  # mine
+        # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank
+        #    draws the whole batch's prompts and noise from one generator and keeps its rows:
+        #    N processes sample what one does.
+        picked = torch.randperm(num_prompts, generator=gen)
+        picked = picked[: args.prompts_per_epoch].tolist()
+        prompts = [task.prompts[i] for i in picked for _ in range(args.group_size)]
+        noise_shape = (len(train_sigmas), len(prompts), *task.latent_shape)
+        noise = torch.randn(noise_shape, generator=gen)  # x_1, then each step's noise
+        prompts = prompts[my_rows]
+        noise = noise[:, my_rows].to(device)
+        cond = task.encode(prompts)
+        empty = task.empty(len(prompts))
+        micro_rows = args.micro_batch or len(prompts)
+
+        # 2. SDE rollouts (Eq. 9) in the training micro-batch shape (DEVIATION 6):
+        #    latents (T+1, n, ...) and the sampler's per-step log-probs (T, n)
+        latents, old_logp = sde_rollouts(
+            velocity, noise, train_sigmas, cond, empty, micro=micro_rows, args=args)
+
+        # 3. rewards → group advantages (Eq. 4), shared by every step of a trajectory
+        images = task.decode(latents[-1])
+        rewards = score(task.reward, images, prompts, args.reward)
+        all_rewards = rewards.to(device)
+        all_rewards = accelerator.gather(all_rewards)  # the whole batch's (global std)
+        all_rewards = all_rewards.cpu()
+        advantages = common.group_advantages(
+            all_rewards, args.group_size, scale=args.adv_std)
+        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
+        advantages = advantages[my_rows].to(device)
+
+        # 4. `minibatches` optimiser steps, each over all trained steps of its
+        #    samples: the clipped objective (Eq. 5) at every trained step j
+        order = torch.randperm(rollouts_per_epoch, generator=gen)
+        mine_in_order = (order >= my_rows.start) & (order < my_rows.stop)
+        order = order[mine_in_order].to(device)
+        order = order - my_rows.start  # this rank's rows, shuffled
         if args.drop_zero_advantage:
             order = order[advantages[order] != 0]
-        stats_sum, n_terms = {}, 0
+        stat_sums, num_terms = collections.defaultdict(float), 0
         # every rank takes the same `minibatches` steps, however many of its rows are left
-        for m, batch in enumerate(torch.tensor_split(order, args.minibatches)):
-            if not len(batch) and accelerator.num_processes == 1:  # e.g. every A = 0, dropped
+        minibatches = torch.tensor_split(order, args.minibatches)
+        alone = accelerator.num_processes == 1
+        for m, minibatch in enumerate(minibatches):
+            if alone and not len(minibatch):  # e.g. every A = 0, dropped
                 continue
             optimizer.zero_grad()
-            for chunk, j in itertools.product(batch.split(micro), range(trained_steps)):
-                sub_cond, sub_empty = tuple(c[chunk] for c in cond), tuple(e[chunk] for e in empty)
-                x, x_next, sigma = latents[j][chunk], latents[j + 1][chunk], train_sigmas[j]
-                v = guided_velocity(velocity, x, sigma, sub_cond, sub_empty, args.guidance)
-                with torch.no_grad():
-                    v_ref = None if args.beta == 0 else guided_velocity(
-                        task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+            micro_batches = minibatch.split(micro_rows)
+            for rows, j in itertools.product(micro_batches, range(trained_steps)):
+                sub_cond = tuple(c[rows] for c in cond)
+                sub_empty = tuple(e[rows] for e in empty)
+                x = latents[j][rows]
+                x_next = latents[j + 1][rows]
+                sigma = train_sigmas[j]
+                sigma_next = train_sigmas[j + 1]
+                step_old_logp = old_logp[j][rows]
+                v = guided_velocity(
+                    velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                v_ref = None  # β = 0 needs no reference
+                if args.beta:
+                    with torch.no_grad():
+                        v_ref = guided_velocity(
+                            task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
                 loss, logp, stats = step_loss(
-                    v, v_ref, x, x_next, sigma, train_sigmas[j + 1], old_logp[j][chunk],
-                    advantages[chunk], args)
-                if m == 0:  # nothing updated yet: training must score what the rollout drew
-                    dev = (logp.detach() - old_logp[j][chunk]).abs().max().item()
-                    sampler_dev = max(sampler_dev, dev)
+                    v,
+                    v_ref,
+                    x,
+                    x_next,
+                    sigma=sigma,
+                    sigma_next=sigma_next,
+                    old_logp=step_old_logp,
+                    advantages=advantages[rows],
+                    args=args,
+                )
+                if m == 0:  # nothing updated yet: scores what the rollout drew
+                    gap = (logp.detach() - step_old_logp).abs().max()
+                    sampler_dev = max(sampler_dev, gap.item())
                 common.check_finite(loss, epoch)
-                scaler.scale(loss * len(chunk) / len(batch) / trained_steps).backward()
-                n_terms += 1
-                stats_sum = {k: stats_sum.get(k, 0.0) + value for k, value in stats.items()}
-            distributed.average_gradients(params, accelerator)  # the one collective of the step
-            # clip the true gradient; a step with inf/NaN gradients is skipped
+                # its share of the mini-batch's mean over samples and steps
+                scaled = loss * len(rows) / len(minibatch) / trained_steps
+                scaler.scale(scaled).backward()
+                num_terms += 1
+                for name, value in stats.items():
+                    stat_sums[name] += value
+            # the step's one collective; then clip the true gradient (inf/NaN: skipped)
+            distributed.average_gradients(params, accelerator)
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(optimizer)
@@ -480,16 +536,20 @@ def train(args):
             updates += 1
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        record = {
-            "reward": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-            "zero_var_frac": common.zero_variance_fraction(all_rewards, args.group_size),
-            "sampler_logprob_max_dev": sampler_dev, "trained_samples": len(order),
-            **{k: v / max(1, n_terms) for k, v in stats_sum.items()}}
+        num_terms = max(1, num_terms)
+        record = {name: total / num_terms for name, total in stat_sums.items()}
+        record["reward"] = all_rewards.mean().item()
+        record["reward_std"] = all_rewards.std().item()
+        zero_var = common.zero_variance_fraction(all_rewards, args.group_size)
+        record["zero_var_frac"] = zero_var
+        record["sampler_logprob_max_dev"] = sampler_dev
+        record["trained_samples"] = len(order)
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             with swapped(params, ema):
                 metrics, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)
             record |= {f"eval_{k}": v for k, v in metrics.items()}
-        run.log(epoch, record, {"before": before, "sampler_dev": sampler_dev, "updates": updates})
+        saved = {"before": before, "sampler_dev": sampler_dev, "updates": updates}
+        run.log(epoch, record, saved)
 
     if sampler_dev > 1e-5:
         print(f"WARNING: training log-probs differ from the rollout's by up to {sampler_dev:.2e}")

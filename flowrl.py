@@ -65,6 +65,7 @@ Sample from the trained policy (full preset; a plain causal LM folder, no log Z 
     python -m utils.sample runs/flowrl/policy "What is 7 + 5?"
 """
 
+import collections
 import copy
 import dataclasses
 import json
@@ -189,6 +190,13 @@ def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_row
     return (weight * residual**2).sum() / (num_rows or len(residual)), residual
 
 
+def sequence_logprob(token_logp, mask, length_normalize=False):
+    """log π(y|x) = Σ_t log π(y_t|x, y_<t) over the completion's tokens, and ÷|y| when
+    length_normalize: FlowRL's length-normalised log-prob, which TB compares with β·r̂."""
+    total = (token_logp * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if length_normalize else total
+
+
 def importance_weight(logp_sum, old_logp_sum, clip_eps):
     """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (FlowRL's practical loss; DEVIATION 2)."""
     return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
@@ -240,7 +248,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip
 
 
 @torch.no_grad()
-def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eos):
+def sample_groups(model, tokenizer, prompts, *, group_size, seeds, args, stop_at_eos):
     """G completions of each prompt → [(text, completion ids, sampler log-probs)], a group's G
     contiguous, in one `generate` call per --gen-batch rows.
 
@@ -250,8 +258,8 @@ def sample_groups(model, tokenizer, prompts, group_size, seeds, args, stop_at_eo
     row_seeds = [seed * 1_000 + row for seed in seeds for row in range(group_size)]
     return common.sample_completions(
         model, tokenizer, [prompt for prompt in prompts for _ in range(group_size)],
-        args.max_new_tokens, args.temperature, stop_at_eos, args.gen_batch, args.mixed_precision,
-        row_seeds)
+        args.max_new_tokens, temperature=args.temperature, stop_at_eos=stop_at_eos,
+        batch_rows=args.gen_batch, precision=args.mixed_precision, row_seeds=row_seeds)
 
 
 def scalars(metrics, all_keys=False):
@@ -338,87 +346,164 @@ def train(args):
     first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
     start, extra = run.resume()
     first, sampler_dev, final = extra.get("first", first), extra.get("sampler_dev", 0.0), {}
+    num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
-        picked = torch.randint(len(task.prompts), (args.prompts_per_step,), generator=gen)
-        picked = picked[mine.start : mine.stop]
-        seeds = [distributed.sampling_seed(args.seed, step, g) for g in mine]
-        idx = picked.repeat_interleave(args.group_size).tolist()
-        prompts = [task.prompts[i] for i in idx]
-        samples = sample_groups(model, tokenizer, [task.prompts[i] for i in picked],
-                                args.group_size, seeds, args, stop_at_eos=task.kind != "valleys")
+        picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
+        picked = picked[mine.start : mine.stop].tolist()
+        seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
+        group_prompts = [task.prompts[i] for i in picked]
+        samples = sample_groups(
+            model,
+            tokenizer,
+            group_prompts,
+            group_size=args.group_size,
+            seeds=seeds,
+            args=args,
+            stop_at_eos=task.kind != "valleys",
+        )
+        prompt_ids = [i for i in picked for _ in range(args.group_size)]
+        prompts = [task.prompts[i] for i in prompt_ids]
+        texts = [text for text, _, _ in samples]
+        completions = [ids for _, ids, _ in samples]
+        sampler_logps = [logp for _, _, logp in samples]
+
         # 2. rewards r
-        rewards = torch.tensor([task.reward(i, text) for i, (text, _, _) in zip(idx, samples)])
+        rewards = [task.reward(i, text) for i, text in zip(prompt_ids, texts)]
+        rewards = torch.tensor(rewards)
+
         # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
         #    π_old = the trainer's no-grad forward before any update, π_ref once (not for GRPO)
-        completions = [ids for _, ids, _ in samples]
         model.train()
-        parts = [common.scored_micro_batches(
-            tokenizer, prompts, completions, [lp for _, _, lp in samples], args.micro_batch_tokens,
-            device, model, ref_model, with_reference=args.algo != "grpo",
-            precision=args.mixed_precision, rows=part)
-            for part in common.split_minibatches(len(samples), args.minibatches)]
-        batches = [mb for part in parts for mb in part]  # every row once, in order
-        sampler_dev = max(sampler_dev, common.sampler_gap(batches))
-        # 4. what each objective learns from. TB: r̂ = the group-normalised reward (the paper) or r
-        #    itself (DEVIATION 1). GRPO: A from r. GRPO-KL: A from r − log(π_old/π_ref)/(β·|y|),
-        #    the sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
-        normed = args.reward_norm == "group"
-        reward_hat = (common.group_advantages(rewards, args.group_size) if normed else rewards)
+        minibatches = []
+        for rows in common.split_minibatches(len(samples), args.minibatches):
+            micro_batches = common.scored_micro_batches(
+                tokenizer,
+                prompts,
+                completions,
+                sampler_logps=sampler_logps,
+                token_budget=args.micro_batch_tokens,
+                device=device,
+                model=model,
+                reference=ref_model,
+                with_reference=args.algo != "grpo",
+                precision=args.mixed_precision,
+                rows=rows,
+            )
+            minibatches.append(micro_batches)
+        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
+        step_gap = common.sampler_gap(every_micro_batch)
+        sampler_dev = max(sampler_dev, step_gap)
+
+        # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
+        reward_hat = rewards
+        if args.reward_norm == "group":
+            reward_hat = common.group_advantages(rewards, args.group_size)
         reward_hat = reward_hat.to(device)
-        shaped = rewards if args.algo != "grpo-kl" else kl_regularised_reward(
-            rewards, torch.cat([(mb.old_logp * mb.mask).sum(1) for mb in batches]).cpu(),
-            torch.cat([(mb.ref_logp * mb.mask).sum(1) for mb in batches]).cpu(),
-            torch.tensor([max(1, len(c)) for c in completions]), args.beta)
-        advantages = common.group_advantages(shaped, args.group_size).to(device)
+        # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
+        #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
+        shaped = rewards
+        if args.algo == "grpo-kl":
+            old_logps = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
+            ref_logps = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
+            old_logps = torch.cat(old_logps).cpu()
+            ref_logps = torch.cat(ref_logps).cpu()
+            lengths = [len(c) for c in completions]  # |y|
+            lengths = torch.tensor(lengths).clamp(min=1)
+            shaped = kl_regularised_reward(rewards, old_logps, ref_logps, lengths, args.beta)
+        advantages = common.group_advantages(shaped, args.group_size)
+        advantages = advantages.to(device)
+
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
-        for inner in range(args.inner_steps):
-            for m, part in enumerate(parts):
-                warm_up(optimizer, ((step - 1) * args.inner_steps + inner) * len(parts) + m, args)
-                optimizer.zero_grad()
-                num_rows = sum(len(mb.rows) for mb in part)
-                token_count = max(1, sum(int(mb.mask.sum()) for mb in part))
-                ratio_dev = 0.0  # max |ρ − 1| (FlowRL: |w − 1|): 0 on the first update
-                for mb in part:
-                    ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                    with autocast:
-                        scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
-                            model, ids, attn, mask.shape[1], return_hidden=args.algo == "flowrl")
-                    logp, hidden = scored if args.algo == "flowrl" else (scored, None)
-                    if args.algo == "flowrl":  # the TB residual, squared and weighted by w
-                        plen = ids.shape[1] - mask.shape[1]  # log Z_φ(x) from the prompt, (B,)
-                        log_z = head(hidden[:, :plen], attn[:, :plen].float(), args.detach_logz)
-                        weight = importance_weight(common.sequence_logprob(logp, mask),
-                                                   common.sequence_logprob(mb.old_logp, mask),
-                                                   args.clip_eps)
-                        loss, residual = trajectory_balance_loss(
-                            log_z, common.sequence_logprob(logp, mask, length_normalize=True),
-                            common.sequence_logprob(mb.ref_logp, mask, length_normalize=True),
-                            reward_hat[rows], args.beta, weight, num_rows=num_rows)
-                        stats = {"log_z": log_z.mean().item(), "w_mean": weight.mean().item(),
-                                 "residual_abs": residual.abs().mean().item()}
-                        ratio = weight
-                    else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                        loss, stats = grpo_loss(logp, mb.old_logp, advantages[rows], mask,
-                                                args.clip_eps, token_count, args.dual_clip)
-                        ratio = torch.exp((logp.detach() - mb.old_logp) * mask)
-                    ratio_dev = max(ratio_dev, (ratio - 1).abs().max().item())
-                    common.check_finite(loss, step)
-                    loss.backward()
-                first_dev = ratio_dev if inner == m == 0 else first_dev
-                distributed.average_gradients(trained, accelerator)  # the update's one collective
-                grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)  # log Z head included
-                common.check_finite(grad_norm, step, "gradient norm")
-                optimizer.step()
+        updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
+        num_updates = len(updates)
+        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every update, every micro-batch
+        stat_sums, stat_rows = collections.defaultdict(float), 0
+        for update, minibatch in enumerate(updates):
+            warm_up(optimizer, (step - 1) * num_updates + update, args)
+            optimizer.zero_grad()
+            num_rows = sum(len(mb.rows) for mb in minibatch)
+            token_count = sum(int(mb.mask.sum()) for mb in minibatch)
+            token_count = max(1, token_count)
+            for mb in minibatch:
+                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+                completion_len = mask.shape[1]
+                prompt_len = ids.shape[1] - completion_len
+                with autocast:
+                    scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
+                        model,
+                        ids,
+                        attn,
+                        completion_len,
+                        return_hidden=args.algo == "flowrl",
+                    )
+                if args.algo == "flowrl":  # the TB residual, squared and weighted by w
+                    logp, hidden = scored
+                    logp_sum = sequence_logprob(logp, mask)
+                    old_sum = sequence_logprob(mb.old_logp, mask)
+                    log_ratio = logp_sum.detach() - old_sum
+                    ratio = torch.exp(log_ratio)  # the unclipped π_θ(y|x)/π_old(y|x)
+                    weight = importance_weight(logp_sum, old_sum, args.clip_eps)
+                    prompt_hidden = hidden[:, :prompt_len]
+                    prompt_mask = attn[:, :prompt_len].float()
+                    log_z = head(prompt_hidden, prompt_mask, args.detach_logz)  # log Z_φ(x), (B,)
+                    logp_norm = sequence_logprob(logp, mask, length_normalize=True)
+                    ref_norm = sequence_logprob(mb.ref_logp, mask, length_normalize=True)
+                    loss, residual = trajectory_balance_loss(
+                        log_z,
+                        logp_norm,
+                        ref_norm,
+                        reward_hat[rows],
+                        beta=args.beta,
+                        weight=weight,
+                        num_rows=num_rows,
+                    )
+                    stats = {
+                        "log_z": log_z.detach(),
+                        "w_mean": weight,
+                        "residual_abs": residual.detach().abs(),
+                    }
+                else:  # the clipped surrogate pg_loss1/pg_loss2 on A
+                    logp = scored
+                    log_ratio = (logp.detach() - mb.old_logp) * mask
+                    ratio = torch.exp(log_ratio)  # per token
+                    loss, stats = grpo_loss(
+                        logp,
+                        mb.old_logp,
+                        advantages[rows],
+                        mask,
+                        clip_eps=args.clip_eps,
+                        token_count=token_count,
+                        dual_clip=args.dual_clip,
+                    )
+                common.check_finite(loss, step)
+                loss.backward()
+                logged["loss"] += loss.item() / num_updates
+                deviation = (ratio - 1).abs().max()
+                logged["ratio_dev"] = max(logged["ratio_dev"], deviation.item())
+                num_micro_rows = len(rows)
+                stat_rows += num_micro_rows
+                for name, value in stats.items():  # a row mean: a tensor per row, or a float
+                    stat_sums[name] += torch.as_tensor(value).float().mean() * num_micro_rows
+            if update == 0:
+                logged["ratio_dev_first"] = logged["ratio_dev"]  # on-policy: exactly 0
+            distributed.average_gradients(trained, accelerator)  # the update's one collective
+            grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)  # log Z head included
+            common.check_finite(grad_norm, step, "gradient norm")
+            optimizer.step()
+        stats = {name: float(total / stat_rows) for name, total in stat_sums.items()}
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
-        rewards = accelerator.gather(rewards.to(device)).cpu()
-        record = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), **stats,
-                  "zero_var_frac": common.zero_variance_fraction(rewards, args.group_size),
-                  "loss": loss.item(), "grad_norm": grad_norm.item(), "sampler_logprob_max_dev":
-                  sampler_dev, "ratio_dev_first": first_dev, "ratio_dev_last": ratio_dev}
+        rewards = rewards.to(device)
+        rewards = accelerator.gather(rewards)
+        rewards = rewards.cpu()
+        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record["reward"] = rewards.mean().item()
+        record["reward_std"] = rewards.std().item()
+        record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
+        record["grad_norm"] = grad_norm.item()
         if step % args.eval_every == 0 or step == args.steps:
             metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
             final = metrics if step == args.steps else final

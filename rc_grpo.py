@@ -65,6 +65,7 @@ Sample from a trained arm (bfcl preset; a LoRA adapter on --model):
     python -m utils.sample runs/rc_grpo/rctp+rc-grpo/policy "List the files here."
 """
 
+import collections
 import copy
 import dataclasses
 import json
@@ -182,7 +183,7 @@ def sample_reward_tokens(n, p, generator):
     return [HIGH if d else LOW for d in draws.tolist()]  # r_j ~ Bernoulli(p), i.i.d.
 
 
-def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, token_count):
+def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, token_count):
     """L = Σ_t [−min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) + β·KL_t] / N_tokens, ρ_t = π_θ/π_old per token
     (RC-GRPO stage 2).
 
@@ -247,7 +248,8 @@ def supervised_finetune(world, trajectories, epochs, lr, batch, seed, token_budg
             token_count = sum(len(c) for c in completions)
             optimizer.zero_grad()
             for mb in common.scored_micro_batches(
-                    tokenizer, prompts, completions, None, token_budget, model.device):
+                    tokenizer, prompts, completions, sampler_logps=None,
+                    token_budget=token_budget, device=model.device):
                 with autocast:
                     logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
                 (-(logp * mb.mask).sum() / token_count).backward()
@@ -327,80 +329,122 @@ def grpo_arm(args, world, name, use_tokens, reward_conditioned, out_dir, acceler
     )
     start, extra = run.resume()
     sampler_dev, zero_var = extra.get("sampler_dev", 0.0), extra.get("zero_var", [])
+    num_tasks = len(world.train)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
-        # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO) or a fixed one (GRPO)
-        pick = torch.randint(len(world.train), (args.tasks_per_step,), generator=gen)
-        n = len(pick) * args.group_size
-        fixed = HIGH if use_tokens else None
-        tokens = sample_reward_tokens(n, args.p_high, gen) if reward_conditioned else [fixed] * n
+        # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO, Eq. 3) or a fixed
+        #    one (GRPO)
+        picked = torch.randint(num_tasks, (args.tasks_per_step,), generator=gen)
+        num_rollouts = len(picked) * args.group_size
+        if reward_conditioned:
+            tokens = sample_reward_tokens(num_rollouts, args.p_high, gen)
+        else:
+            tokens = [HIGH if use_tokens else None] * num_rollouts
         # this rank's groups
-        local = slice(mine.start * args.group_size, mine.stop * args.group_size)
-        entries = [world.train[i] for i in pick.repeat_interleave(args.group_size).tolist()][local]
-        tokens = tokens[local]
+        my_rollouts = slice(mine.start * args.group_size, mine.stop * args.group_size)
+        task_ids = picked.repeat_interleave(args.group_size).tolist()
+        entries = [world.train[i] for i in task_ids][my_rollouts]
+        tokens = tokens[my_rollouts]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
-            torch.manual_seed(distributed.sampling_seed(args.seed, step, accelerator.process_index))
+            noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
+            torch.manual_seed(noise_seed)
+
         # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action
-        runs = bfcl.run_rollouts(
-            world, entries, [reward_goal(t) for t in tokens], args.temperature, args)
-        rewards = torch.tensor([r["reward"] for r in runs])
+        #    (Sec. 3.3)
+        goals = [reward_goal(t) for t in tokens]
+        runs = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
+        rewards = [r["reward"] for r in runs]
+        rewards = torch.tensor(rewards)
+
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(std_g R + ε)
-        advantages = common.group_advantages(rewards, args.group_size).tolist()
-        # each model step, its A
-        rows = [(s, a) for r, a in zip(runs, advantages) for s in r["steps"]]
-        prompts, completions = [s["prompt"] for s, _ in rows], [s["ids"] for s, _ in rows]
-        token_count = max(1, sum(len(c) for c in completions))
+        advantages = common.group_advantages(rewards, args.group_size)
+        # every model step of a rollout is a sample that carries its rollout's A
+        samples = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
+        prompts = [s["prompt"] for s, _ in samples]
+        completions = [s["ids"] for s, _ in samples]
+        sampler_logps = [s["old_logp"] for s, _ in samples]
+        sample_advantages = [a for _, a in samples]
+        token_count = sum(len(c) for c in completions)
+        token_count = max(1, token_count)
+
         # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; π_old =
-        #    the trainer's own no-grad forward before the update, π_ref once. A row with A = 0 has
-        #    no gradient when β = 0: it is not scored, and π_ref is not needed
+        #    the trainer's own no-grad forward before the update, π_ref once. A sample with A = 0
+        #    has no gradient when β = 0: it is not scored, and π_ref is not needed
         model.train()
-        scored = [k for k, (_, a) in enumerate(rows) if a or args.beta]
-        batches = common.scored_micro_batches(
-            tokenizer, prompts, completions, [s["old_logp"] for s, _ in rows],
-            args.micro_batch_tokens, model.device, model, reference, args.temperature,
-            bool(args.beta), args.mixed_precision, scored)
-        sampler_dev = max(sampler_dev, common.sampler_gap(batches))
+        scored = [k for k, a in enumerate(sample_advantages) if a or args.beta]
+        sample_advantages = torch.tensor(sample_advantages, device=model.device)
+        micro_batches = common.scored_micro_batches(
+            tokenizer,
+            prompts,
+            completions,
+            sampler_logps=sampler_logps,
+            token_budget=args.micro_batch_tokens,
+            device=model.device,
+            model=model,
+            reference=reference,
+            temperature=args.temperature,
+            with_reference=bool(args.beta),
+            precision=args.mixed_precision,
+            rows=scored,
+        )
+        step_gap = common.sampler_gap(micro_batches)
+        sampler_dev = max(sampler_dev, step_gap)
         optimizer.zero_grad()
-        loss, stats = torch.zeros(()), {"ratio_dev": 0.0}
-        for mb in batches:
-            batch_adv = torch.tensor([rows[k][1] for k in mb.rows], device=model.device)  # (B,)
+        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every micro-batch
+        stat_sums, stat_rows = collections.defaultdict(float), 0
+        for mb in micro_batches:
+            ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+            completion_len = mask.shape[1]
             with autocast:
                 logp = common.completion_logprobs(  # (B, W)
-                    model, mb.ids, mb.attn, mb.mask.shape[1], args.temperature)
+                    model, ids, attn, completion_len, temperature=args.temperature)
             loss, stats = rc_grpo_loss(
-                logp, mb.old_logp, mb.ref_logp, batch_adv, mb.mask, args.clip_eps, args.beta,
-                token_count)
+                logp,
+                mb.old_logp,
+                mb.ref_logp,
+                sample_advantages[rows],
+                mask,
+                clip_eps=args.clip_eps,
+                beta=args.beta,
+                token_count=token_count,
+            )
             common.check_finite(loss, f"{step} of {name}")
             loss.backward()
+            logged["loss"] += loss.item()
+            deviation = stats.pop("ratio_dev")  # max |ρ − 1| of this micro-batch
+            logged["ratio_dev"] = max(logged["ratio_dev"], deviation)
+            num_micro_rows = len(rows)
+            stat_rows += num_micro_rows
+            for stat, value in stats.items():
+                stat_sums[stat] += value * num_micro_rows
         distributed.average_gradients(params, accelerator)  # the one collective of the step
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
         optimizer.step()
+        stats = {stat: total / max(1, stat_rows) for stat, total in stat_sums.items()}
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
-        runs = gather_object([{"token": t, "reward": r["reward"], "rare": r["entry"].get("rare")}
-                              for r, t in zip(runs, tokens)])
-        rewards = torch.tensor([r["reward"] for r in runs])
+        outcomes = [
+            {"token": t, "reward": r["reward"], "rare": r["entry"].get("rare")}
+            for r, t in zip(runs, tokens)
+        ]
+        outcomes = gather_object(outcomes)
+        rewards = [o["reward"] for o in outcomes]
+        rewards = torch.tensor(rewards)
         zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
-        by_token = {t: [r["reward"] for r in runs if r["token"] == t] for t in REWARD_TOKENS}
-        entropy = -sum(s["old_logp"].sum().item() for s, _ in rows) / token_count  # −mean log π
-        for kind in ("common", "rare") if any(r["rare"] for r in runs) else ():  # the toy's folders
-            for tag, token in (("high", HIGH), ("low", LOW), ("untagged", None)):
-                hits = [r["reward"] for r in runs if bool(r["rare"]) == (kind == "rare")
-                        and r["token"] == token]
-                stats |= {f"success_{tag}_{kind}": sum(hits) / len(hits)} if hits else {}
-        record = {
-            "reward": rewards.mean().item(),
-            "zero_var_frac": zero_var[-1],
-            "loss": loss.item(),
-            "entropy": entropy,
-            "success_high": sum(by_token[HIGH]) / max(1, len(by_token[HIGH])),
-            "success_low": sum(by_token[LOW]) / max(1, len(by_token[LOW])),
-            "sampler_logprob_max_dev": sampler_dev,
-            "grad_norm": grad_norm.item(),
-            **stats,
-        }
+        high = [o["reward"] for o in outcomes if o["token"] == HIGH]
+        low = [o["reward"] for o in outcomes if o["token"] == LOW]
+        sampled_logp = [s["old_logp"].sum().item() for s, _ in samples]
+        entropy = -sum(sampled_logp) / token_count  # −mean log π of the sampled tokens
+        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record["reward"] = rewards.mean().item()
+        record["zero_var_frac"] = zero_var[-1]
+        record["entropy"] = entropy
+        record["success_high"] = sum(high) / max(1, len(high))
+        record["success_low"] = sum(low) / max(1, len(low))
+        record["grad_norm"] = grad_norm.item()
+        record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
         run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
     result = {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),

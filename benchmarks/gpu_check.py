@@ -180,8 +180,8 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     for j in range(steps - 1):
         v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], cond, empty, 4.5)
         loss, _, _ = flow_grpo.step_loss(
-            v, None, latents[j], latents[j + 1], sigmas[j], sigmas[j + 1], old_logp[j], advantages,
-            loss_args)
+            v, None, latents[j], latents[j + 1], sigma=sigmas[j], sigma_next=sigmas[j + 1],
+            old_logp=old_logp[j], advantages=advantages, args=loss_args)
         (loss / (steps - 1)).backward()
     optimizer.step()
     sync(device)

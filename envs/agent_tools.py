@@ -108,7 +108,7 @@ class ToolSystem:
         with self.planner.disable_adapter():
             out = common.sample_completions(
                 self.planner, self.tokenizer, [self.chat(p) for p in prompts],
-                max_new_tokens or self.max_new_tokens, self.frozen_temperature,
+                max_new_tokens or self.max_new_tokens, temperature=self.frozen_temperature,
                 batch_rows=self.gen_batch)
         return [text for text, _, _ in out]
 

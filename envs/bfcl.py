@@ -559,7 +559,7 @@ def run_rollouts(world, entries, goals, temperature, args):
         if not active:
             break
         outputs = common.sample_completions(
-            world.model, world.tokenizer, prompts, args.max_new_tokens, temperature,
+            world.model, world.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
             batch_rows=args.gen_batch, precision=args.mixed_precision)
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})

@@ -93,6 +93,21 @@ def build_toy(args, device, special_tokens):
     return world, base_data
 
 
+def folder_success(outcomes, high, low):
+    """The toy's success per folder kind (common "docs" or rare) and token (high, low, untagged),
+    from a step's gathered outcomes ({token, reward, rare}); {} outside the toy (no rare tasks)."""
+    if not any(o["rare"] for o in outcomes):
+        return {}
+    record = {}
+    for kind in ("common", "rare"):
+        for tag, token in (("high", high), ("low", low), ("untagged", None)):
+            hits = [o["reward"] for o in outcomes
+                    if bool(o["rare"]) == (kind == "rare") and o["token"] == token]
+            if hits:
+                record[f"success_{tag}_{kind}"] = sum(hits) / len(hits)
+    return record
+
+
 def results_table(summary, arms):
     """Table 1 in miniature: held-out accuracy and mean zero-variance fraction per arm."""
     lines = [f"{'arm':<14} {'accuracy':>9} {'zero-var':>9}"]

@@ -226,7 +226,8 @@ def avg_at_k(model, tokenizer, task, args, accelerator):
     mine = rows[accelerator.process_index :: accelerator.num_processes]
     samples = common.sample_completions(
         model, tokenizer, [prompt for prompt, _ in mine], args.max_new_tokens,
-        args.eval_temperature, batch_rows=args.gen_batch, precision=args.mixed_precision)
+        temperature=args.eval_temperature, batch_rows=args.gen_batch,
+        precision=args.mixed_precision)
     scores = [score(task.kind, text, answer) for (text, _, _), (_, answer) in zip(samples, mine)]
     scores = gather_object(scores) if accelerator.num_processes > 1 else scores
     return {"avg_at_k": sum(scores) / len(scores)}

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import common
+import flow_grpo
+import flowrl
 from utils import cli, models, sweep, tracking
 
 
@@ -59,16 +61,16 @@ def test_masked_mean_and_sequence_logprob():
     m = torch.tensor([[1, 1, 0], [0, 0, 0]])
     assert common.masked_mean(x, m).item() == 1.5
     torch.testing.assert_close(common.masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
-    torch.testing.assert_close(common.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
+    torch.testing.assert_close(flowrl.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
     torch.testing.assert_close(
-        common.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
+        flowrl.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
 
 
 def test_gaussian_logprob_equals_normal_log_prob_averaged():
     torch.manual_seed(0)
     x, mean = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     ref = torch.distributions.Normal(mean, 0.3).log_prob(x).flatten(1).mean(1)
-    torch.testing.assert_close(common.gaussian_logprob(x, mean, 0.3), ref)
+    torch.testing.assert_close(flow_grpo.gaussian_logprob(x, mean, 0.3), ref)
 
 
 def script_losses():
@@ -82,9 +84,10 @@ def script_losses():
         "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(
             lp, old, adv, m, eps, m.sum()),
         "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(
-            lp, old, lp.detach(), adv, m, eps, 0.0, m.sum()),
+            lp, old, lp.detach(), adv, m, clip_eps=eps, beta=0.0, token_count=m.sum()),
         "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
-            lp, old, lp.detach(), adv, m, eps, eps, 0.0, m.sum()),
+            lp, old, lp.detach(), adv, m, clip_low=eps, clip_high=eps, beta=0.0,
+            token_count=m.sum()),
     }
 
 

@@ -1,6 +1,7 @@
 """What a first run on a real GPU depends on, checked on CPU: bf16 forwards with π_old from the
 trainer, activation checkpointing, token budgets that hold, and mini-batches that go off-policy."""
 
+import dataclasses
 import json
 import random
 
@@ -59,7 +60,38 @@ def test_the_second_mini_batch_is_off_policy(tmp_path):
     """With two mini-batches the second is scored after the first update: w != 1 there, w = 1 on
     the first (FlowRL's importance weight acts only across mini-batches)."""
     step = first_step(tmp_path, "flowrl", "--minibatches", "2")
-    assert step["ratio_dev_first"] == 0.0 and step["ratio_dev_last"] > 1e-3
+    assert step["ratio_dev_first"] == 0.0 and step["ratio_dev"] > 1e-3
+
+
+@pytest.mark.parametrize("name", ["flowrl", "agentflow", "rc_grpo"])
+def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, name,
+                                                                    monkeypatch):
+    """`loss` (the mean over the step's optimiser steps of each one's whole loss) and `ratio_dev`
+    (max |ρ − 1| over the whole update) are the same whether a mini-batch runs as one micro-batch
+    or as several. Two mini-batches (flowrl, agentflow): flowrl's second is off-policy, so its
+    ratio_dev is not 0. flowrl runs its GRPO arm: the log Z head's dropout draws other masks when the rows are split
+    otherwise, so TB's loss differs by its noise, not by how it is logged. rc_grpo's stage 1 also
+    runs in micro-batches (other roundings, other weights), so only its stage 2 gets the budget."""
+    two = {"flowrl": ["--minibatches", "2", "--algo", "grpo"],
+           "agentflow": ["--minibatches", "2"]}.get(name, [])
+    varied = VARIED.get(name, [])
+    logged = {}
+    for label, budget in (("one", 100000), ("several", 40)):
+        if name == "rc_grpo":
+            grpo_arm = rc_grpo.grpo_arm
+            monkeypatch.setattr(rc_grpo, "grpo_arm", lambda args, *rest, budget=budget: grpo_arm(
+                dataclasses.replace(args, micro_batch_tokens=budget), *rest))
+            logged[label] = first_step(tmp_path / label, name, *varied)
+            monkeypatch.undo()
+        else:
+            logged[label] = first_step(
+                tmp_path / label, name, *two, *varied, "--micro-batch-tokens", str(budget))
+    one, several = logged["one"], logged["several"]
+    assert one["loss"] != 0
+    for key in ("loss", "ratio_dev"):
+        assert abs(several[key] - one[key]) <= 1e-5 * max(1.0, abs(one[key])), (key, one, several)
+    if name == "flowrl":
+        assert one["ratio_dev"] > 1e-4
 
 
 def test_micro_batches_never_exceed_their_token_budget():
@@ -73,7 +105,8 @@ def test_micro_batches_never_exceed_their_token_budget():
                    for _ in range(rows)]
         completions = [[5] * rng.randint(0, 30) for _ in range(rows)]
         budget = rng.randint(1, 300)
-        batches = common.scored_micro_batches(tokenizer, prompts, completions, None, budget, "cpu")
+        batches = common.scored_micro_batches(
+            tokenizer, prompts, completions, sampler_logps=None, token_budget=budget, device="cpu")
         assert sorted(r for mb in batches for r in mb.rows) == list(range(rows))
         for mb in batches:
             assert mb.ids.numel() <= budget or len(mb.rows) == 1, (trial, mb.ids.shape, budget)

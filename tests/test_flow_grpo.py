@@ -303,7 +303,8 @@ def policy_gradient(net, dtype, j, loss_scale=1.0):
     x_next, old_logp, _, _ = flow_grpo.sde_step_with_logprob(
         v.detach(), x, sigmas[j], sigmas[j + 1], 0.7, noise=torch.randn(x.shape, generator=gen))
     loss, _, _ = flow_grpo.step_loss(
-        v, None, x, x_next, sigmas[j], sigmas[j + 1], old_logp, torch.ones(2), args)
+        v, None, x, x_next, sigma=sigmas[j], sigma_next=sigmas[j + 1], old_logp=old_logp,
+        advantages=torch.ones(2), args=args)
     (loss * loss_scale / 36).backward()
     return torch.cat([p.grad.flatten() / loss_scale for p in params])
 

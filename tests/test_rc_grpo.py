@@ -276,10 +276,12 @@ def test_with_beta_zero_a_row_without_advantage_adds_nothing_to_the_gradient():
     logp = torch.randn(3, 5, requires_grad=True)
     old = logp.detach() + 0.1 * torch.randn(3, 5)
     advantages, mask = torch.tensor([0.0, 1.0, -1.0]), torch.ones(3, 5)
-    loss, stats = rc_grpo.rc_grpo_loss(logp, old, None, advantages, mask, 0.2, 0.0, 15)
+    loss, stats = rc_grpo.rc_grpo_loss(
+        logp, old, None, advantages, mask, clip_eps=0.2, beta=0.0, token_count=15)
     loss.backward()
     assert logp.grad[0].abs().max() == 0 and logp.grad[1:].abs().min() > 0 and stats["kl"] == 0
-    with_kl, _ = rc_grpo.rc_grpo_loss(logp, old, old, advantages, mask, 0.2, 0.1, 15)
+    with_kl, _ = rc_grpo.rc_grpo_loss(
+        logp, old, old, advantages, mask, clip_eps=0.2, beta=0.1, token_count=15)
     assert torch.autograd.grad(with_kl, logp)[0][0].abs().max() > 0  # β > 0: every row counts
 
 

@@ -49,7 +49,7 @@ def sample_trained(argv):
         messages = [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     outputs = common.sample_completions(
-        model, tokenizer, [prompt] * args.n, args.max_new_tokens, args.temperature)
+        model, tokenizer, [prompt] * args.n, args.max_new_tokens, temperature=args.temperature)
     for text, _, _ in outputs:
         print(text)
 
