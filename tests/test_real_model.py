@@ -77,7 +77,8 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True)
     torch.manual_seed(0)
-    samples = common.sample_completions(model, tokenizer, [prompt] * 6, 24, temperature=1.0, batch_rows=4)
+    samples = common.sample_completions(
+        model, tokenizer, [prompt] * 6, 24, temperature=1.0, batch_rows=4)
     stop = set(common.eos_token_ids(model, tokenizer))
     for text, ids, logp in samples:
         assert not stop & set(ids[:-1]) and len(logp) == len(ids)
