@@ -69,9 +69,10 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     """`loss` (the mean over the step's optimiser steps of each one's whole loss) and `ratio_dev`
     (max |ρ − 1| over the whole update) are the same whether a mini-batch runs as one micro-batch
     or as several. Two mini-batches (flowrl, agentflow): flowrl's second is off-policy, so its
-    ratio_dev is not 0. flowrl runs its GRPO arm: the log Z head's dropout draws other masks when the rows are split
-    otherwise, so TB's loss differs by its noise, not by how it is logged. rc_grpo's stage 1 also
-    runs in micro-batches (other roundings, other weights), so only its stage 2 gets the budget."""
+    ratio_dev is not 0. flowrl runs its GRPO arm: the log Z head's dropout draws other masks when
+    the rows are split otherwise, so TB's loss differs by its noise, not by how it is logged.
+    rc_grpo's stage 1 also runs in micro-batches (other roundings, other weights), so only its
+    stage 2 gets the budget."""
     two = {"flowrl": ["--minibatches", "2", "--algo", "grpo"],
            "agentflow": ["--minibatches", "2"]}.get(name, [])
     varied = VARIED.get(name, [])
