@@ -228,6 +228,13 @@ def build_rctp_data(world, entries, args):
     return trajectories, len(failures)
 
 
+def stage1_units(trajectories, args):
+    """What one stage-1 batch counts (RC-GRPO stage 1): trajectories at full scale, as the paper;
+    single assistant steps on the toy (`--model ''`), whose stage 1 was tuned and measured that
+    way."""
+    return trajectories if args.model else [[s] for t in trajectories for s in t]
+
+
 def supervised_finetune(world, trajectories, epochs, lr, batch, seed, token_budget,
                         precision="auto"):
     """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1
@@ -478,7 +485,7 @@ def train(args):
     shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, args)]
     needed = {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
-        expert = bfcl.stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
+        expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
                                     for e in world.train if e.get("demonstrated", True)], args)
         supervised_finetune(
             world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
@@ -490,7 +497,7 @@ def train(args):
             world.model.load_state_dict(states["base"])
         samples, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world, bfcl.stage1_units(samples, args), args.rctp_epochs, args.sft_lr, args.sft_batch,
+            world, stage1_units(samples, args), args.rctp_epochs, args.sft_lr, args.sft_batch,
             args.seed, args.micro_batch_tokens, args.mixed_precision)
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))

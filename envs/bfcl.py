@@ -28,6 +28,15 @@ from utils import models
 
 
 CATEGORIES = ["base", "long_context", "miss_func", "miss_param"]
+SYSTEM_PROMPT = (  # a shortened paraphrase of bfcl-eval's DEFAULT_SYSTEM_PROMPT
+    "You are an expert in composing functions. Based on the question, make one or "
+    "more function calls to achieve the purpose. If none of the functions can be "
+    "used, or the question lacks required parameters, point it out. To call "
+    "functions, reply ONLY with a Python list in the format "
+    "[func_name1(param=value, ...), func_name2(param=value)]. Keep calling functions "
+    "until the user's request is fulfilled; when you have no more calls to make, "
+    "reply in plain text and the turn ends.\nHere is a list of functions in JSON "
+    "format that you can invoke.\n")
 
 
 MAX_CALL_CHARS = (
@@ -368,35 +377,38 @@ def bfcl_check(entry, calls_per_turn):
     return 1.0
 
 
-def toy_call_text(call):
-    """A call as the toy LM writes it: one word per token, still valid Python (`[ cd ( folder =
-    'docs' ) ]`)."""
-    name, args, kwargs = parse_calls(call)[0]
-    return (
-        "[ "
-        + name
-        + " ( "
-        + " , ".join([repr(a) for a in args] + [f"{k} = {v!r}" for k, v in kwargs.items()])
-        + " ) ]"
-    )
+class ChatFormat:
+    """How a dialogue is written at full scale: the tokenizer's chat template, BFCL's system prompt
+    with the function docs, calls as the Python list BFCL asks for, results cut at 2 000
+    characters. (The toy's words are `bfcl_toy.ToyFormat`.)"""
 
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-def toy_observation(text):
-    """The toy LM reads tool results as words it knows (folder and file names survive)."""
-    return " ".join(re.findall(r"[A-Za-z_]+(?:\.[a-z]+)?", text)) or "None"
+    def system_messages(self, entry):
+        return [{"role": "system", "content": SYSTEM_PROMPT + json.dumps(function_docs(entry)[0])}]
+
+    def render(self, messages):
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+
+    def call_text(self, call):
+        return "[" + call + "]"
+
+    def observation(self, text):
+        return text[:2000]
 
 
 @dataclasses.dataclass
 class World:
     """The environment side of a run: the task split, the model, and how a dialogue is written as
-    text. chat=True: the tokenizer's chat template and BFCL's system prompt (full scale); False: the
-    toy's words."""
+    text (`text_format`: ChatFormat at full scale, bfcl_toy.ToyFormat on the toy)."""
 
     train: list
     test: list
     tokenizer: object
     model: object
-    chat: bool
+    text_format: object
     end_text: str  # what an expert writes to end a turn
     reveal_message: str = ""
 
@@ -411,8 +423,8 @@ def build_bfcl(args, device):
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     train, test = split_entries(load_bfcl_entries())
     return World(
-        train, test, tokenizer, model.to(device), chat=True, end_text="Done.",
-        reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
+        train, test, tokenizer, model.to(device), text_format=ChatFormat(tokenizer),
+        end_text="Done.", reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
 
 
 def select_entries(entries, args):
@@ -450,48 +462,25 @@ def stratified(entries, n):
 
 
 def system_messages(world, entry):
-    """BFCL's prompting setup: the function docs in a system message (full scale); none on the
-    toy."""
-    if not world.chat:
-        return []
-    return [
-        {
-            "role": "system",
-            "content": (
-                "You are an expert in composing functions. Based on the question, make one or "
-                "more function calls to achieve the purpose. If none of the functions can be "
-                "used, or the question lacks required parameters, point it out. To call "
-                "functions, reply ONLY with a Python list in the format "
-                "[func_name1(param=value, ...), func_name2(param=value)]. Keep calling functions "
-                "until the user's request is fulfilled; when you have no more calls to make, "
-                "reply in plain text and the turn ends.\nHere is a list of functions in JSON "
-                f"format that you can invoke.\n{json.dumps(function_docs(entry)[0])}"
-            ),
-        }
-    ]
+    """The messages before the first user turn (BFCL's system prompt and docs at full scale)."""
+    return world.text_format.system_messages(entry)
 
 
 def render(world, messages):
-    """The dialogue as the model's prompt: the chat template, or the toy's `role content … asst`."""
-    if world.chat:
-        return world.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
-    return (
-        " ".join(f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages)
-        + " asst"
-    )
+    """The dialogue as the model's prompt."""
+    return world.text_format.render(messages)
 
 
 def call_text(world, call):
     """One ground-truth call as the model writes it."""
-    return "[" + call + "]" if world.chat else toy_call_text(call)
+    return world.text_format.call_text(call)
 
 
 def observation(world, results):
-    """Tool results as the model reads them: each cut at MAX_RESULT_CHARS, the whole at 2 000
-    characters (the checker compares them whole)."""
+    """Tool results as the model reads them: each cut at MAX_RESULT_CHARS, the whole cut by the
+    text format (the checker compares them whole)."""
     text = "\n".join(r[:MAX_RESULT_CHARS] for r in results)
-    return text[:2000] if world.chat else toy_observation(text)
+    return world.text_format.observation(text)
 
 
 def user_messages(world, entry, turn, goal):
@@ -594,12 +583,6 @@ def format_calls(world, entry, goal, args):
         lines.append(f"    called   {calls or '(no call)'}")
         lines.append(f"    expected {expected}")
     return "\n".join(lines)
-
-
-def stage1_units(trajectories, args):
-    """What one stage-1 batch counts: trajectories at full scale, as the paper; single assistant
-    steps on the toy (`--model ''`), whose stage 1 was tuned and measured that way."""
-    return trajectories if args.model else [[s] for t in trajectories for s in t]
 
 
 def trajectory_samples(world, entry, goal, steps_per_turn):

@@ -5,6 +5,7 @@ so imitation learns `cd docs`; the careless base model sometimes copies the fold
 """
 
 import random
+import re
 
 from envs import bfcl
 from utils import models
@@ -56,6 +57,27 @@ def toy_entries(n, seed, rare_share, n_test=200):
     return entries[:n], entries[n:]
 
 
+class ToyFormat:
+    """How the toy LM writes a dialogue: `role content … asst` in words it knows, no system prompt,
+    calls one word per token (`[ cd ( folder = 'docs' ) ]`, still valid Python), tool results as
+    the words they contain (folder and file names survive)."""
+
+    def system_messages(self, entry):
+        return []
+
+    def render(self, messages):
+        turns = [f"{m['role'].replace('assistant', 'asst')} {m['content']}" for m in messages]
+        return " ".join(turns) + " asst"
+
+    def call_text(self, call):
+        name, args, kwargs = bfcl.parse_calls(call)[0]
+        arguments = [repr(a) for a in args] + [f"{k} = {v!r}" for k, v in kwargs.items()]
+        return "[ " + name + " ( " + " , ".join(arguments) + " ) ]"
+
+    def observation(self, text):
+        return " ".join(re.findall(r"[A-Za-z_]+(?:\.[a-z]+)?", text)) or "None"
+
+
 def sloppy_agent_steps(entry, rng):
     """The toy's "base model" behaviour: syntax-correct but careless (sometimes looks first, often
     guesses)."""
@@ -85,7 +107,7 @@ def build_toy(args, device, special_tokens):
     model = models.tiny_causal_lm(
         len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing)
     model = model.to(device)
-    world = bfcl.World(train, test, tokenizer, model, chat=False, end_text="done")
+    world = bfcl.World(train, test, tokenizer, model, text_format=ToyFormat(), end_text="done")
     rng = random.Random(args.seed)
     base_data = [
         s for e in generic for _ in range(3)

@@ -130,7 +130,7 @@ def scripted_world(monkeypatch, outputs):
         common, "sample_completions",
         lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
     tokenizer = models.make_tokenizer(["user", "asst", "tool"])  # counts prompt length only
-    return bfcl.World([], [], tokenizer, None, chat=False, end_text="done")
+    return bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
 
 
 ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, max_steps=10, max_prompt_tokens=10**6,
@@ -200,7 +200,7 @@ def test_backend_calls_have_a_time_limit_and_a_result_cap():
     assert env.execute(bfcl.parse_calls("[add(a=2, b=3)]")) == ['{"result": 5}']
     (echoed,) = env.execute(bfcl.parse_calls(f"[echo(content={'x' * 9000!r})]"))
     assert len(echoed) > 9000  # whole for the checker; cut where the model reads it
-    world = bfcl.World([], [], None, None, chat=True, end_text="")
+    world = bfcl.World([], [], None, None, text_format=bfcl.ChatFormat(None), end_text="")
     assert len(bfcl.observation(world, [echoed])) <= min(2000, bfcl.MAX_RESULT_CHARS)
 
 
@@ -236,7 +236,7 @@ def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_sco
     train, _ = bfcl_toy.toy_entries(10, 0, 0.15)
     tokenizer = models.make_tokenizer(
         ["user", "asst", "tool", "delete", *bfcl_toy.TOY_FILES], rc_grpo.REWARD_TOKENS)
-    world = bfcl.World([], [], tokenizer, None, chat=False, end_text="done")
+    world = bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
     samples = bfcl.trajectory_samples(
         world, train[0], rc_grpo.reward_goal(rc_grpo.HIGH), train[0]["ground_truth"])
     assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")

@@ -51,3 +51,23 @@ def test_imports_go_one_way():
             assert not mine, mine
         else:
             assert not mine & {Path(a).stem for a in ALGORITHMS}, (path.name, mine)
+
+
+RUN_FLAGS = ["seed", "seeds", "out_dir", "device", "quiet", "report_to", "save_every", "resume",
+             "overwrite", "timeout"]
+
+
+def test_the_four_scripts_share_the_run_flags():
+    """The run flags (not the paper's) exist in every script with one type and one set of choices,
+    so a flag learnt on one script works on the others."""
+    import dataclasses
+    import importlib
+
+    shapes = {}
+    for name in ALGORITHMS:
+        fields = {f.name: f for f in dataclasses.fields(importlib.import_module(name[:-3]).Args)}
+        missing = [flag for flag in RUN_FLAGS if flag not in fields]
+        assert not missing, (name, missing)
+        for flag in RUN_FLAGS:
+            shape = (str(fields[flag].type), fields[flag].metadata.get("choices"))
+            assert shapes.setdefault(flag, shape) == shape, (name, flag, shape, shapes[flag])
