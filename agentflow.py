@@ -1,6 +1,6 @@
 """AgentFlow's Flow-GRPO: train the planner inside a planner/executor/verifier/generator loop.
 
-Paper: "AgentFlow: In-the-Flow Agentic System Optimization for Effective Planning and Tool Use",
+Paper: "In-the-Flow Agentic System Optimization for Effective Planning and Tool Use",
 Li et al. 2025, arXiv 2510.05592 ("official" below = the authors' released code).
 NOT the image "Flow-GRPO" (Liu et al. 2025, arXiv 2505.05470), which turns a flow-matching ODE into
 an SDE: that algorithm is flow_grpo.py. Same name, unrelated method.
@@ -14,10 +14,13 @@ group-normalised advantage A_i, so a multi-turn problem is trained with single-t
 (the Flow-GRPO objective).
 
 Equation map (paper → function):
-    the system  q, K, M → planner → executor → verifier → … → generator  → run_agent, Memory
-    Flow-GRPO   A_i = (R_i − mean_G R) / std_G R, shared by every turn of τ_i
+    Eq. 2       the system: planner, executor and verifier turn by turn on (q, K, M), then the
+                generator                                                → run_agent, Memory
+    Eqs. 4, 7   A_i = (R_i − mean_G R) / std_G R, shared by every turn of τ_i
                                                                          → broadcast_advantages
-    Flow-GRPO   token-level clipped ratio in each planner output, − β·KL   → flow_grpo_loss
+    Eqs. 5–6    token-level clipped ratio in each planner output, − β·KL → flow_grpo_loss
+    Thm. B.1    the broadcast objective = single-turn REINFORCE on each turn (the notebook checks
+                its gradient numerically)
     tools       a model-written Python tool, isolated by the OS            → sandbox.python_tool
 
 Deviations (numbered, on purpose):
@@ -175,7 +178,7 @@ PRESETS = {
 
 def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4):
     """Every turn of τ_i gets A_i; A_i = (R_i − mean_G R)/(std_G R + ε) over the query's G rollouts
-    (the Flow-GRPO objective).
+    (Eqs. 4 and 7).
 
     rewards: (B·G,) trajectory rewards, a query's G rollouts contiguous; turns: planner turns per
     rollout. mode="turn-rows" is the official code's variant: mean and std over all turn rows of the
@@ -200,7 +203,8 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
 
 def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip_high, beta,
                    token_count, dual_clip=0.0):
-    """The paper's Flow-GRPO objective as a loss, per planner token t of every turn-sample:
+    """The paper's Flow-GRPO objective (Eqs. 5–6) as a loss, per planner token t of every
+    turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts

@@ -17,8 +17,8 @@ Equation map (paper → function):
     KL         ‖mean_θ − mean_ref‖² / (2σ_t²), averaged over dims (official)
                                                                     → gaussian_mean_kl
     CFG        v = v_∅ + w·(v_c − v_∅)                               → guided_velocity
-    objective  per step: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL       → step_loss
-    GRPO       A = clip((r − mean_prompt)/(std + 1e-4), ±5)          → common.group_advantages
+    Eq. 5      per step: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL       → step_loss
+    Eq. 4      A = clip((r − mean_prompt)/(std + 1e-4), ±5)          → common.group_advantages
     rollouts   train_steps with the SDE, evaluation at eval_steps with the ODE
                                                                     → rollout
 

@@ -1,12 +1,12 @@
 """RC-GRPO: reward-conditioned fine-tuning, then GRPO with sampled reward tokens (tool calling).
 
-Paper: "Reward-Conditioned Group Relative Policy Optimization for multi-turn tool calling", Zhong et
-al. 2026, arXiv 2602.03025 (no official code). Environment: the real BFCL v4 multi-turn data and
+Paper: "RC-GRPO: Reward-Conditioned Group Relative Policy Optimization for Multi-Turn Tool
+Calling Agents", Zhong et al. 2026, arXiv 2602.03025 (no official code). Environment: the real BFCL v4 multi-turn data and
 backends from the `bfcl-eval` package, executed without eval/exec.
 
 After SFT on expert demonstrations a policy is peaked: a task's G rollouts all succeed or all fail,
 the group's reward std is 0, A = 0, and GRPO stops learning ("paradox of perfection", RC-GRPO, Prop.
-4.3). RC-GRPO first fine-tunes on expert *and* failed trajectories, each tagged in the first user
+4.2). RC-GRPO first fine-tunes on expert *and* failed trajectories, each tagged in the first user
 message with `[Reward Goal: <|high_reward|>]` or `<|low_reward|>` (RCTP-FT). Then each GRPO rollout
 draws its own token (P(high) = p): the low-token rollouts behave differently, so groups keep their
 variance (RC-GRPO stage 2, Prop. 4.3: E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε²). Inference uses the high token.
@@ -16,11 +16,15 @@ Equation map (paper → function):
              user message                                               → build_rctp_data,
                                                                           reward_goal
     stage 1  max-likelihood of the assistant tokens only                → supervised_finetune
-    stage 2  r_j ~ Bernoulli(p) i.i.d. per rollout                      → sample_reward_tokens
+    stage 2  r_j ~ Bernoulli(p) i.i.d. per rollout (Eq. 3)             → sample_reward_tokens
     stage 2  a_t ~ π_θ(·|h_t, r_j): r_j's goal text in the rollout's prompt → reward_goal, grpo_arm
     stage 2  one group per task across tokens                           → common.group_advantages
     stage 2  −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL (k3), per token       → rc_grpo_loss
-    reward   R = R_state · R_action                                     → bfcl.trajectory_reward
+    reward   R = R_state · R_action (Sec. 3.3)                          → bfcl.trajectory_reward
+    Prop 4.2 the paradox of perfection: a peaked policy's groups are flat
+                                                                → common.zero_variance_fraction
+    Prop 4.3 E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε², the variance tokens keep (checked in the notebook and
+             in tests/test_rc_grpo.py by simulation)
     BFCL     the official checker's semantics (per-turn state + results) → bfcl.bfcl_check
     BFCL     calls parsed with ast, literal arguments only        → bfcl.parse_calls, bfcl.BFCLEnv
 
