@@ -1,8 +1,8 @@
 """RC-GRPO: reward-conditioned fine-tuning, then GRPO with sampled reward tokens (tool calling).
 
 Paper: "RC-GRPO: Reward-Conditioned Group Relative Policy Optimization for Multi-Turn Tool
-Calling Agents", Zhong et al. 2026, arXiv 2602.03025 (no official code). Environment: the real BFCL v4 multi-turn data and
-backends from the `bfcl-eval` package, executed without eval/exec.
+Calling Agents", Zhong et al. 2026, arXiv 2602.03025 (no official code). Environment: the real
+BFCL v4 multi-turn data and backends from the `bfcl-eval` package, executed without eval/exec.
 
 After SFT on expert demonstrations a policy is peaked: a task's G rollouts all succeed or all fail,
 the group's reward std is 0, A = 0, and GRPO stops learning ("paradox of perfection", RC-GRPO, Prop.
