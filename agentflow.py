@@ -555,8 +555,9 @@ def train(args):
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:
-            agent_toy.plot_accuracy_comparison(before["accuracy"], run.records, ablation.records,
-                                               args.credit, other, out_dir / "credit.png")
+            agent_toy.plot_accuracy_comparison(
+                before["accuracy"], run.records, ablation.records, name=args.credit,
+                other=other, path=out_dir / "credit.png")
     return run.finish(summary, [
         ("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
         ("turns.png", ["mean_turns", "eval_mean_turns"], "agentflow: planner turns per rollout")])

@@ -34,8 +34,8 @@ Deviations and choices (numbered; "official" = the authors' released code):
        the population std of the whole gathered batch, as the original; `group` by each group's.
     4. The toy trains the whole (tiny) velocity MLP with a frozen copy as reference; SD3 trains LoRA
        and its reference is the same transformer with the adapter disabled, as official.
-    5. CFG: both halves go through the trained transformer with gradient, as the original script
-       did before its 2025-07-15 version (since then it detaches the unconditional half).
+    5. (Not a deviation.) CFG: both halves go through the trained transformer with gradient, as
+       the original script does (a detach of the unconditional half came and went again).
     6. Rollouts run in the training micro-batch shape (`--micro-batch` rows), so rollout and
        training pick the same kernels and the on-policy ratio stays 1 (sampler_logprob_max_dev).
     7. The sd3 preset (table in docs/flow_grpo.md) runs `--mixed-precision auto` (bf16; the original
@@ -271,11 +271,17 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step
 def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, args):
     """`rollout` with the SDE over `micro` rows at a time: noise[0] is x_1 (n, ...), noise[1:] each
     step's noise. Returns latents (T+1, n, ...) and the sampler's log-probs (T, n)."""
-    parts = [
-        rollout(velocity_fn, noise[0, k : k + micro], sigmas, tuple(c[k : k + micro] for c in cond),
-                tuple(e[k : k + micro] for e in empty), args.guidance, args.noise_level,
-                step_noise=noise[1:, k : k + micro])
-        for k in range(0, noise.shape[1], micro)]
+    parts = []
+    for k in range(0, noise.shape[1], micro):
+        rows = slice(k, k + micro)
+        part = rollout(
+            velocity_fn, noise[0, rows], sigmas,
+            cond=tuple(c[rows] for c in cond),
+            empty=tuple(e[rows] for e in empty),
+            guidance=args.guidance,
+            noise_level=args.noise_level,
+            step_noise=noise[1:, rows])
+        parts.append(part)
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
@@ -322,7 +328,8 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
         batch = prompts[lo : lo + args.eval_batch]
         latents, _ = rollout(
             velocity, noise[lo : lo + len(batch)].to(accelerator.device), sigmas,
-            task.encode(batch), task.empty(len(batch)), args.guidance, 0.0)
+            cond=task.encode(batch), empty=task.empty(len(batch)), guidance=args.guidance,
+            noise_level=0.0)
         chunk = task.decode(latents[-1])
         scores.append(score(task.reward, chunk, batch, args.reward))
         if keep_images:
@@ -566,7 +573,7 @@ def train(args):
                             "before": before["accuracy"], "after": after["accuracy"]}
     if toy and accelerator.is_main_process:
         digits.plot_digit_grid(
-            images_before, images_after, args.eval_per_prompt, out_dir / "samples.png")
+            images_before, images_after, args.eval_per_prompt, path=out_dir / "samples.png")
     return run.finish(summary, [
         ("reward.png", ["reward", "zero_var_frac"], "flow_grpo: training reward"),
         ("eval.png", ["eval_accuracy", "eval_reward"], "flow_grpo: ODE evaluation"),

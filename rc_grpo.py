@@ -49,9 +49,10 @@ Deviations (numbered, on purpose):
        docs).
     7. Rollouts follow BFCL's own turn-by-turn protocol (a user turn ends when the model makes no
        call), not the paper's merged prompt with a `done()` tool, so the scores are BFCL's. Accuracy
-       is the paper's (the mean of R); the official checker's is reported beside it.
+       is taken as the mean of R, an assumption (the paper's text does not define it); the
+       official checker's is reported beside it.
     8. The bfcl preset (table in docs/rc_grpo.md) trains LoRA adapters (`--lora-rank` 64, one GPU
-       holds policy and reference) at 10× the paper's full fine-tuning rates (`--lr` 1e-5,
+       holds policy and reference) at 10× the paper's learning rates (`--lr` 1e-5,
        `--sft-lr` 1e-4; the LoRA/full ratio of "LoRA Without Regret", Schulman et al. 2025), on
        `--tasks-per-step` 16 tasks for `--steps` 100 (paper: batch 256, 400 epochs), a size one GPU
        rolls out in hours.
@@ -218,7 +219,8 @@ def build_rctp_data(world, entries, args):
         chunk = repeated[lo : lo + args.gen_batch]
         rollouts += [
             {"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
-            for r in bfcl.run_rollouts(world, chunk, [None] * len(chunk), 1.0, args)
+            for r in bfcl.run_rollouts(
+                world, chunk, [None] * len(chunk), temperature=1.0, args=args)
         ]
     failures = [r for r in rollouts if r["reward"] == 0]
     random.Random(args.seed).shuffle(failures)
@@ -239,7 +241,7 @@ def stage1_units(trajectories, args):
     return trajectories if args.model else [[s] for t in trajectories for s in t]
 
 
-def supervised_finetune(world, trajectories, epochs, lr, batch, seed, token_budget,
+def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_budget,
                         precision="auto"):
     """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1
     (RCTP-FT). `trajectories`: lists of step samples; each batch of `batch` trajectories (the
@@ -313,7 +315,7 @@ def validate(args):
     return arms
 
 
-def grpo_arm(args, world, name, use_tokens, reward_conditioned, out_dir, accelerator):
+def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed
     (GRPO), one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token
     (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1
@@ -475,8 +477,9 @@ def train(args):
         world = bfcl.build_bfcl(args, device)
     else:  # the toy's base model: a careless agent's trajectories on generic tasks
         world, base_data = bfcl_toy.build_toy(args, device, REWARD_TOKENS)
-        supervised_finetune(world, [[s] for s in base_data], 8, 3e-3, 32, args.seed,
-                            args.micro_batch_tokens, args.mixed_precision)
+        supervised_finetune(
+            world, [[s] for s in base_data], epochs=8, lr=3e-3, batch=32, seed=args.seed,
+            token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
     world.train, world.test = (bfcl.select_entries(e, args) for e in (world.train, world.test))
     cli.check_args(
         [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
@@ -492,8 +495,8 @@ def train(args):
         expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
                                     for e in world.train if e.get("demonstrated", True)], args)
         supervised_finetune(
-            world, expert, args.sft_epochs, args.sft_lr, args.sft_batch, args.seed,
-            args.micro_batch_tokens, args.mixed_precision)
+            world, expert, epochs=args.sft_epochs, lr=args.sft_lr, batch=args.sft_batch,
+            seed=args.seed, token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
         states["sft"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
     if "rctp" in needed:
@@ -501,8 +504,9 @@ def train(args):
             world.model.load_state_dict(states["base"])
         samples, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world, stage1_units(samples, args), args.rctp_epochs, args.sft_lr, args.sft_batch,
-            args.seed, args.micro_batch_tokens, args.mixed_precision)
+            world, stage1_units(samples, args), epochs=args.rctp_epochs, lr=args.sft_lr,
+            batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
+            precision=args.mixed_precision)
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
@@ -521,12 +525,14 @@ def train(args):
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
         result, run = grpo_arm(
-            args, world, arm, use_tokens, algo == "rc-grpo", out_dir, accelerator)
+            args, world, arm, use_tokens=use_tokens, reward_conditioned=algo == "rc-grpo",
+            out_dir=out_dir, accelerator=accelerator)
         token = HIGH if use_tokens else None
         result["accuracy"], result["bfcl_accuracy"] = evaluate(world, world.test, token, args)
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
             result["rare_accuracy"] = evaluate(world, rare_test, token, args)[0]
-            result["sampled_accuracy"] = evaluate(world, world.test, token, args, 1.0)[0]
+            sampled = evaluate(world, world.test, token, args, temperature=1.0)
+            result["sampled_accuracy"] = sampled[0]
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
             result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)[0]
@@ -555,8 +561,8 @@ def train(args):
                             "after": summary["rctp+rc-grpo"]["zero_variance_fraction"]}
     if accelerator.is_main_process:
         tracking.plot_curves(
-            curves, out_dir / "zero_variance.png", "zero-variance fraction per GRPO step",
-            "fraction")
+            curves, out_dir / "zero_variance.png", title="zero-variance fraction per GRPO step",
+            ylabel="fraction")
         tracking.write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
         (out_dir / "rollouts.txt").write_text("\n\n".join(shown) + "\n")
     if not args.quiet:

@@ -77,7 +77,7 @@ class ToolSystem:
     generator are the same model with the adapter off (the paper's frozen modules), sampled at
     `frozen_temperature`: the training temperature in training, 0 (greedy) at evaluation, as the
     original code does. Tools: Python (sandboxed), retrieval over a local corpus, and the base
-    generator."""
+    generator, always greedy (the paper's App. C.1)."""
 
     train: list
     test: list
@@ -103,12 +103,15 @@ class ToolSystem:
             program, self.tool_timeout, hidden_files=self.hidden_files,
             unsafe=self.unsafe_python_tool)
 
-    def frozen(self, prompts, max_new_tokens=None):
-        """The frozen modules: base weights (adapter off), sampled at `frozen_temperature`."""
+    def frozen(self, prompts, max_new_tokens=None, temperature=None):
+        """The frozen modules: base weights (adapter off), sampled at `frozen_temperature` unless
+        `temperature` is given."""
+        if temperature is None:
+            temperature = self.frozen_temperature
         with self.planner.disable_adapter():
             out = common.sample_completions(
                 self.planner, self.tokenizer, [self.chat(p) for p in prompts],
-                max_new_tokens or self.max_new_tokens, temperature=self.frozen_temperature,
+                max_new_tokens or self.max_new_tokens, temperature=temperature,
                 batch_rows=self.gen_batch)
         return [text for text, _, _ in out]
 
@@ -169,7 +172,9 @@ class ToolSystem:
             ]
         )
         asked = [command for (_, tool, _, _), command in zip(calls, commands) if tool == "generate"]
-        generated = iter(self.frozen(asked) if asked else [])  # the generate tool: one batch
+        # the generate tool: one batch, greedy ("the LLM engines within the tools are set to a
+        # temperature of 0.0", App. C.1)
+        generated = iter(self.frozen(asked, temperature=0.0) if asked else [])
         programs = [python_program(command)
                     for (_, tool, _, _), command in zip(calls, commands) if tool == "python"]
         with ThreadPoolExecutor(max_workers=PYTHON_WORKERS) as pool:  # the turn's programs at once

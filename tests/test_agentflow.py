@@ -239,11 +239,28 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
     seen = []
     monkeypatch.setattr(
         agent_tools.ToolSystem, "frozen",
-        lambda self, prompts, max_new_tokens=None: seen.extend(prompts) or ["Paris"] * len(prompts))
+        lambda self, prompts, max_new_tokens=None, temperature=None:
+            seen.extend(prompts) or ["Paris"] * len(prompts))
     memory = agentflow.Memory()
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)
     system.execute([({"question": "q"}, "retrieve", "check it", memory)])
     assert "Paris is the capital" in seen[0] and "check it" in seen[0]
+
+
+def test_the_generate_tool_is_greedy_while_the_modules_sample(monkeypatch):
+    """In training the frozen modules sample at the planner's temperature (the original's), but the
+    generate tool is greedy (App. C.1: the tools' LLM engines run at temperature 0)."""
+    system = agent_tools.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
+    system.frozen_temperature = 0.7
+    used = []
+
+    def frozen(self, prompts, max_new_tokens=None, temperature=None):
+        used.append(self.frozen_temperature if temperature is None else temperature)
+        return ["an answer"] * len(prompts)
+
+    monkeypatch.setattr(agent_tools.ToolSystem, "frozen", frozen)
+    system.execute([({"question": "q"}, "generate", "ask", agentflow.Memory())])
+    assert used == [0.7, 0.0]  # the executor's command sampled, then the tool greedy
 
 
 def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch):
@@ -257,7 +274,7 @@ def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch
     system = agent_tools.build_full(args, torch.device("cpu"))
     temperatures = []
 
-    def frozen(self, prompts, max_new_tokens=None):
+    def frozen(self, prompts, max_new_tokens=None, temperature=None):
         temperatures.append(self.frozen_temperature)
         return ["ANALYSIS-" + str(i) if p.startswith("Question") and "Analyse" in p else "STOP"
                 for i, p in enumerate(prompts)]

@@ -79,8 +79,9 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     logged = {}
     for label, budget in (("one", 100000), ("several", 40)):
         if name == "rc_grpo":
-            def stage_2(args, *rest, budget=budget, grpo_arm=rc_grpo.grpo_arm):
-                return grpo_arm(dataclasses.replace(args, micro_batch_tokens=budget), *rest)
+            def stage_2(args, *rest, budget=budget, grpo_arm=rc_grpo.grpo_arm, **kwargs):
+                budgeted = dataclasses.replace(args, micro_batch_tokens=budget)
+                return grpo_arm(budgeted, *rest, **kwargs)
 
             monkeypatch.setattr(rc_grpo, "grpo_arm", stage_2)
             logged[label] = first_step(tmp_path / label, name, *varied)

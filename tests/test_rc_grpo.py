@@ -351,8 +351,8 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
     assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2
     trained = {}
 
-    def spy(args, world, *rest):  # the trained policy's log-probs, before anything is saved
-        result = real_arm(args, world, *rest)
+    def spy(args, world, *rest, **kwargs):  # the trained policy's log-probs, before saving
+        result = real_arm(args, world, *rest, **kwargs)
         ids = torch.tensor([list(range(5, 25))])
         trained["logp"] = common.completion_logprobs(world.model, ids, torch.ones_like(ids), 19)
         return result
