@@ -46,8 +46,9 @@ Deviations (numbered, on purpose):
        paper trains an instruction model that already writes it.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
-    python agentflow.py               # held-out accuracy ~0.58 → 0.81-1.0; final-turn ~0.41
-    python agentflow.py --seeds 0-4   # the same on five seeds, one table
+    python agentflow.py               # held-out accuracy 0.577 → 0.952; final-turn 0.407
+    python agentflow.py --seeds 0-4   # the same on five seeds, one table (the figures above are
+                                      # its means, docs/agentflow.md)
 Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 21 min a seed on 2 cores):
     python agentflow.py --preset smollm2-lookup --no-ablation  # +0.2 on 2/3 seeds; final-turn ties
 Full scale (one GPU):

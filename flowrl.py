@@ -50,10 +50,11 @@ Deviations (numbered, on purpose):
        and the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
-    python flowrl.py                   # exact KL(π‖p*) 0.48 → below 0.05, 22-24 of 24 kept
-    python flowrl.py --algo grpo       # the reward maximiser: KL 0.48 → above 2, a few answers kept
+    python flowrl.py                   # exact KL(π‖p*) 0.483 → 0.011, 23.4 of 24 kept
+    python flowrl.py --algo grpo       # the reward maximiser: KL 0.483 → 3.129, 2.6 of 24 kept
     python flowrl.py --algo grpo-kl    # the control with FlowRL's target
-    python flowrl.py --seeds 0-4       # all three arms on five seeds, one table
+    python flowrl.py --seeds 0-4       # all three arms on five seeds, one table (the figures
+                                       # above are its means, docs/flowrl.md)
 A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-real`):
     python flowrl.py --preset smollm2-addition --algo grpo   # greedy 0.125 → 0.83, ~20 min
     python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO spread: held 1/3 seeds
