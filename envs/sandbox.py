@@ -7,6 +7,7 @@ in to running model code unisolated.
     isolation_problem()      None where each call can be isolated here, else the reason
 """
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -229,10 +230,10 @@ def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_file
         return f"error: the Python tool failed ({type(err).__name__})", False
 
 
-def read_capped(process, timeout, max_bytes):
+def read_capped(process, deadline, max_bytes):
     """stdout's first `max_bytes` and stderr's last 2000 bytes, read as they come until both
-    close or `timeout` passes; the rest is read and dropped, so the program never blocks."""
-    deadline = time.monotonic() + timeout
+    close or the `deadline` (time.monotonic) passes; the rest is read and dropped, so the program
+    never blocks."""
     kept = {process.stdout: b"", process.stderr: b""}
     with selectors.DefaultSelector() as selector:
         for pipe in kept:
@@ -257,7 +258,10 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
 
     # the venv's own interpreter, reached through the real path of its folder
     python = str(Path(sys.executable).parent.resolve() / Path(sys.executable).name)
-    with tempfile.TemporaryDirectory(prefix="agentflow_py_", ignore_cleanup_errors=True) as tmp:
+    # only an unisolated run needs a host folder; an isolated one gets its code through a memfd
+    workdir = contextlib.nullcontext("/") if isolate else tempfile.TemporaryDirectory(
+        prefix="agentflow_py_", ignore_cleanup_errors=True)
+    with workdir as tmp:
         fds = []
         if isolate:
             fds = [os.memfd_create("main.py"), os.memfd_create("seccomp")]
@@ -267,10 +271,10 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
                 os.lseek(fd, 0, os.SEEK_SET)
             command = bwrap_command(
                 python, bound_prefixes(), fds[0], fds[1], memory_mb, timeout, hidden)
-            preexec, cwd = None, "/"
+            preexec = None
         else:
             Path(tmp, "main.py").write_text(code)
-            command, cwd = [python, "-I", "-B", "main.py"], tmp
+            command = [python, "-I", "-B", "main.py"]
 
             def preexec():
                 for limit, value in [
@@ -280,15 +284,16 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
 
         try:
             process = subprocess.Popen(
-                command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                command, cwd=tmp, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, pass_fds=fds)
         finally:
             for fd in fds:
                 os.close(fd)
+        deadline = time.monotonic() + timeout
         try:
-            stdout, stderr, finished = read_capped(process, timeout, max_output + 1)
-            if finished:
-                process.wait(timeout=max(0.1, timeout / 10))
+            stdout, stderr, finished = read_capped(process, deadline, max_output + 1)
+            if finished:  # its pipes closed: it has the rest of its time to exit
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             finished = False
         finally:
