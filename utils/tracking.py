@@ -147,13 +147,20 @@ def save_checkpoint(path, tensors, state):
             os.remove(tmp)
 
 
-def load_checkpoint(path):
-    """(tensors, state) from a file written by `save_checkpoint`."""
+def checkpoint_state(path):
+    """The JSON state of a file written by `save_checkpoint`, from its header alone (safetensors
+    checks there that the file holds every tensor it lists: a truncated file fails here)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
-        state = json.loads(f.metadata()["state"])
+        return json.loads(f.metadata()["state"])
+
+
+def load_checkpoint(path):
+    """(tensors, state) from a file written by `save_checkpoint`."""
+    from safetensors.torch import load_file
+
+    state = checkpoint_state(path)
     return load_file(str(path)), state
 
 
@@ -242,7 +249,7 @@ def check_out_dir(out_dir, args, accelerator):
               file=sys.stderr)
     for path in checkpoints:
         if args.resume:
-            unreadable_checkpoint_exits(path, load_checkpoint)
+            unreadable_checkpoint_exits(path, checkpoint_state)  # the header: no tensor read twice
     accelerator.wait_for_everyone()
     if args.overwrite and accelerator.is_main_process:
         for path in files:
