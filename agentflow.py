@@ -187,8 +187,8 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     flattened (Σ T_i,).
     """
     if mode == "trajectory":
-        per_trajectory = common.group_advantages(rewards, group_size, eps=eps)
-        # reward broadcast: A_i on every turn
+        per_trajectory = common.group_advantages(rewards, group_size, eps=eps)  # Eq. 7
+        # reward broadcast: A_i on every turn (Eq. 4)
         return per_trajectory.repeat_interleave(torch.as_tensor(turns))
     rows = []
     for g in range(0, len(rewards), group_size):
@@ -217,7 +217,7 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
     pg_loss = common.dual_clip(pg_loss, advantages[:, None], dual_clip)
     kl = common.kl_penalty(logp, ref_logp, "k3")
-    loss = ((pg_loss + beta * kl) * mask).sum() / token_count
+    loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
         "kl": common.masked_mean(kl, mask).item(),
@@ -402,7 +402,7 @@ def train_arm(args, system, out_dir, accelerator):
             noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
             torch.manual_seed(noise_seed)
         system.frozen_temperature = args.temperature  # frozen modules sample as the planner does
-        trajectories = run_agent(queries, system, plan, args.max_turns)
+        trajectories = run_agent(queries, system, plan, args.max_turns)  # Eq. 2
 
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (Eqs. 4 and 7)

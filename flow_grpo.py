@@ -211,7 +211,7 @@ def step_loss(v, v_ref, x, x_next, *, sigma, sigma_next, old_logp, advantages, a
     v_ref None means β = 0. Returns (loss, logp, stats)."""
     _, logp, mean, std = sde_step_with_logprob(
         v, x, sigma, sigma_next, args.noise_level, prev_sample=x_next)
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(logp - old_logp)  # Eq. 5's ρ
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_range, 1 + args.clip_range)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
@@ -222,7 +222,7 @@ def step_loss(v, v_ref, x, x_next, *, sigma, sigma_next, old_logp, advantages, a
         # DEVIATION 2: official σ_t², not s²
         sigma_t = std / math.sqrt(float(sigma) - float(sigma_next))
         kl = gaussian_mean_kl(mean, ref_mean, sigma_t)
-    loss = (pg_loss + args.beta * kl).mean()
+    loss = (pg_loss + args.beta * kl).mean()  # Eq. 5
     stats = {
         "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
         "ratio_max": ratio.max().item()}
@@ -476,7 +476,7 @@ def train(args):
         all_rewards = rewards.to(device)
         all_rewards = accelerator.gather(all_rewards)  # the whole batch's (global std)
         all_rewards = all_rewards.cpu()
-        advantages = common.group_advantages(
+        advantages = common.group_advantages(  # Eq. 4
             all_rewards, args.group_size, scale=args.adv_std)
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         advantages = advantages[my_rows].to(device)

@@ -23,8 +23,8 @@ Equation map (paper → function):
     reward   R = R_state · R_action (Sec. 3.3)                          → bfcl.trajectory_reward
     Prop 4.2 the paradox of perfection: a peaked policy's groups are flat
                                                                 → common.zero_variance_fraction
-    Prop 4.3 E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε², the variance tokens keep (checked in the notebook and
-             in tests/test_rc_grpo.py by simulation)
+    Prop 4.3 E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε², the variance the tokens keep (checked in
+             the notebook and in tests/test_rc_grpo.py by simulation)
     BFCL     the official checker's semantics (per-turn state + results) → bfcl.bfcl_check
     BFCL     calls parsed with ast, literal arguments only        → bfcl.parse_calls, bfcl.BFCLEnv
 
@@ -185,7 +185,7 @@ def sample_reward_tokens(n, p, generator):
     """r_j ~ Bernoulli(p) i.i.d. per rollout: <|high_reward|> with probability p, else
     <|low_reward|> (RC-GRPO stage 2)."""
     draws = torch.rand(n, generator=generator) < p
-    return [HIGH if d else LOW for d in draws.tolist()]  # r_j ~ Bernoulli(p), i.i.d.
+    return [HIGH if d else LOW for d in draws.tolist()]  # Eq. 3: r_j ~ Bernoulli(p), i.i.d.
 
 
 def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, token_count):

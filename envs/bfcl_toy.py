@@ -58,9 +58,9 @@ def toy_entries(n, seed, rare_share, n_test=200):
 
 
 class ToyFormat:
-    """How the toy LM writes a dialogue: `role content … asst` in words it knows, no system prompt,
-    calls one word per token (`[ cd ( folder = 'docs' ) ]`, still valid Python), tool results as
-    the words they contain (folder and file names survive)."""
+    """How the toy LM writes a dialogue: `role content ... asst` in words it knows, no system
+    prompt, calls one word per token (`[ cd ( folder = 'docs' ) ]`, still valid Python), tool
+    results as the words they contain (folder and file names survive)."""
 
     def system_messages(self, entry):
         return []

@@ -74,8 +74,8 @@ def test_the_four_scripts_share_the_run_flags():
 
 
 def test_the_loops_read_at_cleanrl_density():
-    """Inside each training loop: ≤ 56 characters per non-blank line, ≤ 10 % of lines of 95 columns
-    or more, ≤ 1.0 calls per simple statement (CleanRL's ppo.py loop: 54.5, 10 %, 0.89)."""
+    """Inside each training loop: at most 56 characters per non-blank line, 10 % of lines of 95
+    columns or more, 1.0 calls per simple statement (CleanRL's ppo.py loop: 54.5, 10 %, 0.89)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
