@@ -88,9 +88,10 @@ class Args:
     steps: int = cli.arg(60, "rollout batches")
     queries_per_step: int = cli.arg(8, "B queries per batch (paper: 32)")
     group_size: int = cli.arg(8, "G rollouts per query (paper: 8)")
-    inner_steps: int = cli.arg(2, "epochs over each batch (--minibatches optimiser steps each)")
-    minibatches: int = cli.arg(
-        1, "disjoint mini-batches of turn rows per batch, one optimiser step each (π_old fixed)")
+    inner_steps: int = cli.arg(2, "epochs over each batch (one optimiser step per mini-batch)")
+    minibatch_rows: int = cli.arg(
+        0, "turn rows per optimiser step over all ranks, shuffled (π_old fixed; 0 = the whole "
+        "batch; original: 64)")
     max_turns: int = cli.arg(3, "planner turns per rollout in training (paper: 3)")
     eval_max_turns: int = cli.arg(10, "planner turns at evaluation (paper: 10)")
     max_new_tokens: int = cli.arg(4, "planner output cap per turn")
@@ -156,7 +157,7 @@ class Args:
 PRESETS = {
     "full": dict(
         model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
-        inner_steps=1, minibatches=8, max_new_tokens=2048, temperature=0.7, lr=1e-5,
+        inner_steps=1, minibatch_rows=64, max_new_tokens=2048, temperature=0.7, lr=1e-5,
         weight_decay=0.01, dual_clip=3.0, lora_rank=64, ablation=False, eval_every=25,
         micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True, warm_start_steps=0),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
@@ -208,21 +209,36 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip
     turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
-    A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref; N_tokens counts
-    the mini-batch's planner tokens (DEVIATION 1: token-mean), so micro-batches add up to the
-    one-shot loss; `dual_clip` c > 0 caps the loss at c·|A| where A < 0 (verl's dual clip)."""
+    A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref, clamped at 10 as
+    verl's `low_var_kl`; N_tokens counts the mini-batch's planner tokens (DEVIATION 1: token-mean),
+    so micro-batches add up to the one-shot loss; `dual_clip` c > 0 caps the loss at c·|A| where
+    A < 0 (verl's dual clip)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
     pg_loss = common.dual_clip(pg_loss, advantages[:, None], dual_clip)
-    kl = common.kl_penalty(logp, ref_logp, "k3")
+    kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0)  # verl's clamp, as the original
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
         "kl": common.masked_mean(kl, mask).item(),
         "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item()}
     return loss, stats
+
+
+def turn_minibatches(num_rows, args, *, step, accelerator):
+    """This rank's turn rows in a random order (from (seed, step, rank)), cut into mini-batches of
+    --minibatch-rows / N rows as the original code cuts its shuffled batch, so a step takes about
+    Σ T_i / 64 optimiser steps. Every rank takes the same number (one all-reduce of the max): a rank
+    that runs out takes empty mini-batches, which add zero gradient to the ranks' mean."""
+    rows_per_rank = args.minibatch_rows // accelerator.num_processes or num_rows
+    rows_per_rank = max(1, rows_per_rank)
+    count = -(-num_rows // rows_per_rank)  # ⌈rows / rows per mini-batch⌉
+    count = distributed.max_over_ranks(count, accelerator)
+    seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[m * rows_per_rank : (m + 1) * rows_per_rank] for m in range(count)]
 
 
 # ------------------------------------------------------- the agentic system: memory M and the loop
@@ -418,8 +434,9 @@ def train_arm(args, system, out_dir, accelerator):
             last_turns = torch.tensor(turns).cumsum(0) - 1
             samples = [samples[k] for k in last_turns.tolist()]
 
-        # 3. --minibatches disjoint mini-batches of turn-samples in token-bounded micro-batches;
-        #    π_old = the trainer's own no-grad forward before any update, π_ref once
+        # 3. the turn rows shuffled and cut into mini-batches of --minibatch-rows, each in
+        #    token-bounded micro-batches; π_old = the trainer's own no-grad forward before any
+        #    update, π_ref once
         prompts = [turn["prompt"] for turn, _ in samples]
         completions = [turn["ids"] for turn, _ in samples]
         sampler_logps = [turn["old_logp"] for turn, _ in samples]
@@ -427,7 +444,7 @@ def train_arm(args, system, out_dir, accelerator):
         advantages = torch.tensor(advantages, device=device)  # (turn-samples,)
         planner.train()
         minibatches = []
-        for rows in common.split_minibatches(len(samples), args.minibatches):
+        for rows in turn_minibatches(len(samples), args, step=step, accelerator=accelerator):
             micro_batches = common.scored_micro_batches(
                 tokenizer,
                 prompts,

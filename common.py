@@ -23,18 +23,18 @@ import torch
 # ----------------------------------------------------------------------------- advantages
 
 
-def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+def group_advantages(rewards, group_size, scale="group", unbiased=True, eps=1e-4):
     """A_i = (r_i − mean_g) / (std_g + ε) over contiguous groups of `group_size` (GRPO).
 
     rewards: flat (B·G,) tensor, the G samples of one prompt next to each other. ε = 1e-4 as the
     official image Flow-GRPO (verl's default is 1e-6; either is negligible beside a std of 0/1
     rewards, and an all-equal group is handled exactly below).
-    scale="group": divide by the *sample* std (Bessel, ÷(G−1)) as TRL and verl do, so advantages
-    match the libraries a reader will compare against; scale="global": the population std of the
-    whole batch (the official image Flow-GRPO's `global_std`, np.std); scale="none": Dr. GRPO, A = r
-    − mean_g. A group
-    whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so it carries
-    no policy gradient and never a NaN.
+    scale="group": divide by each group's std; scale="global": by the whole batch's std (the
+    official image Flow-GRPO's `global_std`); scale="none": Dr. GRPO, A = r − mean_g.
+    unbiased=True: the sample std (Bessel, ÷(G−1)), as TRL and verl compute it; unbiased=False: the
+    population std (÷G), as RC-GRPO's σ_g (App. A.2) and the official image Flow-GRPO (np.std).
+    A group whose rewards are all equal gets exact zeros (not the rounding noise of r − mean), so
+    it carries no policy gradient and never a NaN.
     """
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} >= 2")
@@ -43,9 +43,9 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     grouped = rewards.float().view(-1, group_size)  # (B, G)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+        centered = centered / (grouped.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
     elif scale == "global":
-        centered = centered / (grouped.std(unbiased=False) + eps)
+        centered = centered / (grouped.std(unbiased=unbiased) + eps)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'global' or 'none', got {scale!r}")
     flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
@@ -329,19 +329,22 @@ def dual_clip(pg_loss, advantages, c):
     return torch.where(advantages < 0, torch.minimum(pg_loss, -c * advantages), pg_loss)
 
 
-def kl_penalty(logp, ref_logp, kind="k3"):
+def kl_penalty(logp, ref_logp, kind="k3", limit=None):
     """Per-token KL(π_θ‖π_ref) estimate with d = log π_ref − log π_θ (GRPO; Schulman 2020).
 
     k1 = −d (unbiased, can be negative); k2 = d²/2; k3 = e^d − d − 1 (≥ 0, unbiased under y ~ π_θ).
+    limit: clamp the estimate to [−limit, limit] (verl's `low_var_kl` clamps k3 at 10).
     """
     d = ref_logp - logp
     if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d**2
-    if kind == "k3":
-        return torch.exp(d) - d - 1
-    raise ValueError(f"kind must be k1, k2 or k3, got {kind!r}")
+        kl = -d
+    elif kind == "k2":
+        kl = 0.5 * d**2
+    elif kind == "k3":
+        kl = torch.exp(d) - d - 1
+    else:
+        raise ValueError(f"kind must be k1, k2 or k3, got {kind!r}")
+    return kl if limit is None else kl.clamp(-limit, limit)
 
 
 # ----------------------------------------------------------------------------- devices and seeds

@@ -31,7 +31,8 @@ Deviations and choices (numbered; "official" = the authors' released code):
        0.040–0.269, so the paper's form weighs each step's KL 3.7–25× more.
     3. "Per-prompt stat tracking" = one group per prompt: every batch draws distinct prompts, so
        each group is one prompt's G samples. `--adv-std global` (official SD3 configs) divides by
-       the population std of the whole gathered batch, as the original; `group` by each group's.
+       the std of the whole gathered batch, `group` by each group's; both the population std
+       (÷G), as the original's tracker.
     4. The toy trains the whole (tiny) velocity MLP with a frozen copy as reference; SD3 trains LoRA
        and its reference is the same transformer with the adapter disabled, as official.
     5. (Not a deviation.) CFG: both halves go through the trained transformer with gradient, as
@@ -348,7 +349,8 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
 
 @torch.no_grad()
 def ema_update(ema, params, decay, step, every=8):
-    """The original code's EMA of the trained weights: at every `every`-th optimiser step s,
+    """The original code's EMA of the trained weights, called once per training batch with
+    s = the optimiser steps taken so far: when s + 1 is a multiple of `every`,
     ema ← d·ema + (1 − d)·θ with the warm-up d = min(decay, (1 + s)/(10 + s))."""
     if ema is not None and (step + 1) % every == 0:
         for average, p in zip(ema, params):
@@ -476,8 +478,8 @@ def train(args):
         all_rewards = rewards.to(device)
         all_rewards = accelerator.gather(all_rewards)  # the whole batch's (global std)
         all_rewards = all_rewards.cpu()
-        advantages = common.group_advantages(  # Eq. 4
-            all_rewards, args.group_size, scale=args.adv_std)
+        advantages = common.group_advantages(  # Eq. 4, the population std as the original
+            all_rewards, args.group_size, scale=args.adv_std, unbiased=False)
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         advantages = advantages[my_rows].to(device)
 
@@ -534,14 +536,19 @@ def train(args):
                 num_terms += 1
                 for name, value in stats.items():
                     stat_sums[name] += value
+            # the EMA steps once per training batch (a --micro-batch chunk, the same count on every
+            # rank), as the original: the chunks before the optimiser step see the weights before it
+            num_chunks = distributed.max_over_ranks(len(micro_batches), accelerator)
+            for _ in range(num_chunks - 1):
+                ema_update(ema, params, args.ema, updates)
             # the step's one collective; then clip the true gradient (inf/NaN: skipped)
             distributed.average_gradients(params, accelerator)
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(optimizer)
             scaler.update()
-            ema_update(ema, params, args.ema, updates)
             updates += 1
+            ema_update(ema, params, args.ema, updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         num_terms = max(1, num_terms)

@@ -115,7 +115,8 @@ class Args:
     dual_clip: float = cli.arg(0.0, "GRPO arms: cap the loss at c·|A| where A < 0 (0 = off)")
     lr: float = cli.arg(1e-3, "policy learning rate (paper: 1e-6)")
     weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.1)")
-    warmup_steps: int = cli.arg(0, "optimiser steps of linear learning-rate warm-up (original: 10)")
+    warmup_steps: int = cli.arg(
+        0, "rollout batches of linear learning-rate warm-up, the first at lr 0 (original: 10)")
     logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
     detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
     temperature: float = cli.arg(1.0, "rollout temperature (paper: 1.0)")
@@ -286,11 +287,16 @@ def make_optimizer(model, head, args):
     return optimizer, [p for group in groups for p in group["params"]]
 
 
-def warm_up(optimizer, update, args):
-    """Linear warm-up: lr = base_lr·min(1, (k+1)/K) at optimiser step k, K = --warmup-steps
-    (computed from k alone, so a resumed run continues it)."""
+def warm_up(optimizer, step, args):
+    """Linear warm-up counted in rollout batches, as the original's scheduler (stepped once per
+    rollout batch): lr = base_lr·min(1, (s − 1)/K) for rollout batch s = 1, 2, …, K = --warmup-steps,
+    so every optimiser step of the first batch runs at lr 0 (computed from s alone, so a resumed run
+    continues it)."""
+    factor = 1.0
+    if args.warmup_steps > 0:
+        factor = min(1.0, (step - 1) / args.warmup_steps)
     for group in optimizer.param_groups:
-        group["lr"] = group["base_lr"] * min(1.0, (update + 1) / max(1, args.warmup_steps))
+        group["lr"] = group["base_lr"] * factor
 
 
 def validate(args):
@@ -422,8 +428,8 @@ def train(args):
         num_updates = len(updates)
         logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every update, every micro-batch
         stat_sums, stat_rows = collections.defaultdict(float), 0
+        warm_up(optimizer, step, args)
         for update, minibatch in enumerate(updates):
-            warm_up(optimizer, (step - 1) * num_updates + update, args)
             optimizer.zero_grad()
             num_rows = sum(len(mb.rows) for mb in minibatch)
             token_count = sum(int(mb.mask.sum()) for mb in minibatch)
@@ -505,6 +511,7 @@ def train(args):
         record["reward_std"] = rewards.std().item()
         record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
         record["grad_norm"] = grad_norm.item()
+        record["lr"] = optimizer.param_groups[0]["lr"]
         if step % args.eval_every == 0 or step == args.steps:
             metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
             final = metrics if step == args.steps else final

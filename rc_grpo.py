@@ -290,11 +290,10 @@ def validate(args):
     """The arms to train, or one line per bad flag (cli.check_args: every number's range, then
     these)."""
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    table_1 = ("sft+grpo", "sft+rc-grpo", "rctp+grpo", "rctp+rc-grpo")
     cli.check_args(
         [
             (
-                arms and all(a in table_1 for a in arms),
+                arms and all(a in bfcl_toy.TABLE_1 for a in arms),
                 "--arms must list sft+grpo, sft+rc-grpo, rctp+grpo or rctp+rc-grpo "
                 f"(got {args.arms!r})",
             ),
@@ -370,8 +369,9 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         rewards = [r["reward"] for r in runs]
         rewards = torch.tensor(rewards)
 
-        # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(std_g R + ε)
-        advantages = common.group_advantages(rewards, args.group_size)
+        # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
+        #    population std (App. A.2)
+        advantages = common.group_advantages(rewards, args.group_size, unbiased=False)
         # every model step of a rollout is a sample that carries its rollout's A
         samples = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
         prompts = [s["prompt"] for s, _ in samples]
@@ -459,8 +459,10 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         record["grad_norm"] = grad_norm.item()
         record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
         run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
+    last = run.records[-10:]  # the sampled tokens' entropy over the last ten steps (Table 4's)
     result = {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),
+        "entropy": sum(r["entropy"] for r in last) / len(last),
         "sampler_logprob_max_dev": sampler_dev}
     return result, run
 

@@ -41,6 +41,22 @@ def test_turn_rows_variant_counts_long_trajectories_more():
     torch.testing.assert_close(rows, torch.tensor([0.5, 0.5, 0.5, -1.5]), atol=1e-3, rtol=0)
 
 
+def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
+    """The original's cut: 10 turn rows, 4 per optimiser step → 4, 4, 2 rows, every row once, in a
+    random order fixed by (seed, step); 0 keeps the whole batch as one mini-batch."""
+    class OneProcess:
+        num_processes, process_index = 1, 0
+
+    args = agentflow.Args(minibatch_rows=4)
+    parts = agentflow.turn_minibatches(10, args, step=1, accelerator=OneProcess())
+    assert [len(p) for p in parts] == [4, 4, 2]
+    assert sorted(sum(parts, [])) == list(range(10)) and sum(parts, []) != list(range(10))
+    assert parts == agentflow.turn_minibatches(10, args, step=1, accelerator=OneProcess())
+    assert parts != agentflow.turn_minibatches(10, args, step=2, accelerator=OneProcess())
+    whole = agentflow.turn_minibatches(10, agentflow.Args(), step=1, accelerator=OneProcess())
+    assert [len(p) for p in whole] == [10]
+
+
 def test_turns_of_different_lengths_batch_with_masks_that_score_only_planner_tokens():
     tokenizer = models.make_tokenizer("q a b c d e".split())
     model = models.tiny_causal_lm(len(tokenizer)).eval()

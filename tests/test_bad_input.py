@@ -193,7 +193,7 @@ BAD_NUMBERS = {
     "flow_grpo": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
                   ["--prompts-per-epoch", "0"], ["--adv-clip", "-1"], ["--resolution", "7"],
                   ["--ema", "1.5"], ["--beta", "nan"]],
-    "agentflow": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
+    "agentflow": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatch-rows", "-1"],
                   ["--queries-per-step", "0"], ["--max-new-tokens", "0"],
                   ["--warm-start-demos", "0"], ["--tool-timeout", "-1"], ["--tool-timeout", "nan"],
                   ["--careless", "2"]],

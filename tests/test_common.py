@@ -23,6 +23,9 @@ def test_group_advantages_hand_numbers():
     torch.testing.assert_close(
         common.group_advantages(r, 3, scale="none"),
         torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+    # the population std (RC-GRPO's σ_g, App. A.2): group 2's is sqrt(8/3), so A = ∓sqrt(3/2)
+    population = common.group_advantages(r, 3, unbiased=False, eps=0.0)
+    torch.testing.assert_close(population[3:], torch.tensor([-1.5**0.5, 0.0, 1.5**0.5]))
 
 
 def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
@@ -149,6 +152,8 @@ def test_k3_nonnegative_zero_at_equality_and_unbiased():
     d = torch.randn(1000) * 3
     assert (common.kl_penalty(torch.zeros(1000), d) >= 0).all()
     assert common.kl_penalty(torch.ones(4), torch.ones(4)).abs().max() == 0
+    far = common.kl_penalty(torch.zeros(2), torch.tensor([-20.0, 20.0]), limit=10.0)
+    assert far.tolist() == [10.0, 10.0]  # verl's low_var_kl clamp: e^20 − 21 and 19 → 10
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.2, 0.6])
     exact = (p * (p / q).log()).sum()

@@ -74,7 +74,7 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     rc_grpo's stage 1 also runs in micro-batches (other roundings, other weights), so only its
     stage 2 gets the budget."""
     two = {"flowrl": ["--minibatches", "2", "--algo", "grpo"],
-           "agentflow": ["--minibatches", "2"]}.get(name, [])
+           "agentflow": ["--minibatch-rows", "8"]}.get(name, [])
     varied = VARIED.get(name, [])
     logged = {}
     for label, budget in (("one", 100000), ("several", 40)):

@@ -181,7 +181,7 @@ def sd3_args(tmp_path, tiny, *extra):
 def test_sd3_preset_path_with_tiny_components_and_lora_round_trip(tmp_path, tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
-    # --ema 0: the EMA's first update is at the 8th optimiser step, after this short run
+    # --ema 0: the EMA first moves at the 7th optimiser step, after this short run
     summary = flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--lr", "1e-2", "--ema", "0"))
     assert summary["sampler_logprob_max_dev"] < 1e-5
     assert math.isfinite(summary["reward_after"])
@@ -359,3 +359,46 @@ def test_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):
     for name, message in [("empty.txt", "holds no rows"), ("bad.jsonl", "'prompt' must be")]:
         with pytest.raises(SystemExit, match=message):
             flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--prompts", str(tmp_path / name)))
+
+
+def test_the_ema_steps_once_per_training_batch_as_the_original(tmp_path, tiny_sd3, monkeypatch):
+    """The EMA after 24 optimiser steps of 2 training batches each equals a reference loop written
+    from the original's rule: per training batch, s = optimiser steps so far, and when s + 1 is a
+    multiple of 8, ema ← d·ema + (1 − d)·θ with d = min(0.9, (1 + s)/(10 + s))."""
+    weights = []  # θ after each optimiser step
+    adamw_step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        out = adamw_step(self, *args, **kwargs)
+        weights.append([p.detach().clone() for p in self.param_groups[0]["params"]])
+        return out
+
+    used = []  # the EMA values swapped in for each evaluation
+
+    def recording_swap(params, ema):
+        used.append([e.detach().clone() for e in ema])
+        return swap(params, ema)
+
+    swap = flow_grpo.swapped
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    monkeypatch.setattr(flow_grpo, "swapped", recording_swap)
+    # 4 rows per epoch → 2 mini-batches (optimiser steps) of 2 training batches of 1 row
+    flow_grpo.train(sd3_args(
+        tmp_path, tiny_sd3, "--epochs", "12", "--minibatches", "2", "--micro-batch", "1",
+        "--no-drop-zero-advantage", "--ema", "0.9", "--lr", "1e-2"))
+    assert len(weights) == 24
+    ema = [w.clone() for w in used[0]]  # the weights before any step
+    updates = 0
+    for s in range(24):  # one optimiser step: its window of 2 training batches
+        for batch in range(2):
+            if batch == 1:
+                s += 1  # the step ends the window
+            if (s + 1) % 8 == 0:
+                decay = min(0.9, (1 + s) / (10 + s))
+                theta = weights[s - 1] if s else used[0]
+                ema = [decay * e + (1 - decay) * w for e, w in zip(ema, theta)]
+                updates += 1
+    assert updates == 6
+    for got, expected in zip(used[-1], ema):
+        torch.testing.assert_close(got, expected)
+    assert max((a - b).abs().max() for a, b in zip(used[-1], weights[-1])) > 1e-4

@@ -60,3 +60,15 @@ def average_gradients(params, accelerator):
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
         p.grad /= accelerator.num_processes
+
+
+def max_over_ranks(count, accelerator):
+    """The largest `count` any rank holds (one all-reduce), so every rank runs the same number of
+    a phase's steps. `count` itself in one process."""
+    if accelerator.num_processes == 1:
+        return count
+    import torch.distributed as dist
+
+    value = torch.tensor([count], device=accelerator.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
