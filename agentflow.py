@@ -33,14 +33,15 @@ Deviations (numbered, on purpose):
        must equal the answer's last number, a text answer must appear in it as whole words.
     4. Full-scale prompts are short paraphrases of the original ones (the planner sees the question,
        the query analysis, the tools, the memory and "step k of at most N", and writes `Sub-Goal:`
-       and `Tool:`; the executor sees the question, the sub-goal and the memory); the tools are a
-       sandboxed Python runner, TF-IDF retrieval over a local corpus and the base model, instead of
-       web search, Wikipedia and a hosted coder.
+       and `Tool:`; the executor sees the question, the sub-goal and the memory; the verifier the
+       question and the memory, as the paper's Eq. 2 writes V(v | q, e, M), where the original also
+       passes it the query analysis); the tools are a sandboxed Python runner, TF-IDF retrieval
+       over a local corpus and the base model, instead of web search, Wikipedia and a hosted coder.
     5. The full preset (table in docs/agentflow.md) trains a LoRA adapter (`--lora-rank` 64, so one
-       GPU holds planner and frozen modules) at `--lr` 1e-5, 10× the paper's full fine-tuning rate
-       (the LoRA/full ratio of "LoRA Without Regret", Schulman et al. 2025), and normalises over
-       the G trajectories (`--group-norm trajectory`, the paper's) where the original code
-       normalises over all turn rows.
+       GPU holds planner and frozen modules) at `--lr` 1e-5, 10× the rate at which the original
+       trains every weight (1e-6, App. C.1; the LoRA/full ratio of "LoRA Without Regret",
+       Schulman et al. 2025), and normalises over the G trajectories (`--group-norm trajectory`,
+       the paper's) where the original code normalises over all turn rows.
     6. The planner starts from a supervised warm start on demonstrations of the plan's format
        (`warm_start`; the toy's tiny LM and the SmolLM2 preset; the full preset has none): the
        paper trains an instruction model that already writes it.

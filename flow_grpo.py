@@ -145,14 +145,15 @@ class Args:
         "run is refused)")
 
 
-# The original SD3.5-Medium one-GPU recipe, each value beside the original in docs/flow_grpo.md.
+# The original SD3.5-Medium recipe at its one-GPU (OCR) configuration's shape with the PickScore
+# configuration's β and reward; each value beside the original in docs/flow_grpo.md.
 PRESETS = {
     "sd3": dict(
         model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", epochs=300,
         prompts_per_epoch=8, group_size=8, guidance=4.5, shift=3.0, clip_range=1e-4, beta=0.01,
         lr=3e-4, minibatches=2, micro_batch=8, lora_rank=32, mixed_precision="auto",
         adv_std="global", ema=0.9, drop_zero_advantage=True, gradient_checkpointing=True,
-        eval_per_prompt=1, eval_every=50, eval_max_prompts=2048, eval_batch=16)
+        eval_per_prompt=1, eval_every=60, eval_max_prompts=2048, eval_batch=16)
 }
 
 

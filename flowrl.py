@@ -43,11 +43,15 @@ Deviations (numbered, on purpose):
     7. The full preset (table in docs/flowrl.md) keeps the original schedule, 16 optimiser steps
        on disjoint mini-batches of each rollout batch (`--minibatches`; w acts from the second),
        at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32
-       prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B (original 7B/32B).
+       prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B-Instruct (original:
+       the base Qwen2.5-7B; 32B in the paper too). Prompts are not capped (the original truncates
+       them on the left at 2048 tokens).
     8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
        truncation, so what it draws is what the trainer scores.
     9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token),
        and the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
+    10. `--algo grpo` has no KL term; the original training script sets a 0.001 `low_var_kl` loss,
+       which its FlowRL objective ignores (the paper's baseline configurations are not released).
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py                   # exact KL(π‖p*) 0.483 → 0.011, 23.4 of 24 kept
@@ -154,8 +158,8 @@ class Args:
 
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
-# for the policy and log Z, weight decay 0.1, 10 warm-up steps, group-normalised r̂, temperature 1
-# for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch (DEVIATION 7).
+# for the policy and log Z, weight decay 0.1, 10 warm-up rollout batches, group-normalised r̂,
+# temperature 1 for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch (DEVIATION 7).
 PRESETS = {
     "full": dict(
         task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=32,

@@ -46,21 +46,25 @@ Deviations (numbered, on purpose):
        (`BFCLEnv.execute`).
     6. Laptop knobs, off by default: `--docs needed` shows only the functions the ground truth calls
        and `--max-turns N` keeps the first N turns (BFCL's prompts are ~3k–7.5k tokens with all
-       docs).
+       docs); the laptop preset writes a shorter paraphrase of bfcl-eval's system prompt
+       (`--system-prompt short`; the bfcl preset uses bfcl-eval's own, verbatim).
     7. Rollouts follow BFCL's own turn-by-turn protocol (a user turn ends when the model makes no
        call), not the paper's merged prompt with a `done()` tool, so the scores are BFCL's. Accuracy
        is taken as the mean of R, an assumption (the paper's text does not define it); the
        official checker's is reported beside it.
     8. The bfcl preset (table in docs/rc_grpo.md) trains LoRA adapters (`--lora-rank` 64, one GPU
-       holds policy and reference) at 10× the paper's learning rates (`--lr` 1e-5,
-       `--sft-lr` 1e-4; the LoRA/full ratio of "LoRA Without Regret", Schulman et al. 2025), on
-       `--tasks-per-step` 16 tasks for `--steps` 100 (paper: batch 256, 400 epochs), a size one GPU
-       rolls out in hours.
+       holds policy and reference; the paper does not say whether it used LoRA) at 10× the paper's
+       learning rates (`--lr` 1e-5, `--sft-lr` 1e-4; the LoRA/full ratio of "LoRA Without Regret",
+       Schulman et al. 2025), on `--tasks-per-step` 16 tasks for `--steps` 100 (paper: batch 256,
+       400 epochs), a size one GPU rolls out in hours. All arms share one batch, where the paper's
+       GRPO baseline used 64. `--max-prompt-tokens` (a project limit, not BFCL's) abandons a
+       dialogue whose prompt outgrows it and scores it as it stands.
 
-Toy (CPU, about 2–3 minutes for the four arms; docs/rc_grpo.md):
-    python rc_grpo.py     # zero-variance fraction 0.909 (SFT+GRPO) vs 0.532 (RCTP+RC-GRPO),
-                          # held-out accuracy 0.832 vs 0.857 (means over seeds 0-4, docs/rc_grpo.md)
-    python rc_grpo.py --seeds 0-4 --arms sft+grpo,rctp+rc-grpo   # five seeds, one table
+Toy (CPU, about 2–4 minutes for the four arms; docs/rc_grpo.md):
+    python rc_grpo.py     # zero-variance fraction 0.904 (SFT+GRPO) vs 0.526 (RCTP+RC-GRPO),
+                          # held-out accuracy 0.832 vs 0.859 (means over seeds 0-4, docs/rc_grpo.md)
+    python rc_grpo.py --seeds 0-4                  # Table 1's four arms on five seeds, one table
+    python rc_grpo.py --seeds 0-4 --sft-epochs 5   # the equal-epochs control
 Laptop (SmolLM2-135M-Instruct, bundled; 19 BFCL entries, both arms; 24 min a seed on 2 cores):
     python rc_grpo.py --preset smollm2-bfcl --seeds 0-1   # fewer flat groups, accuracy tied
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
@@ -146,6 +150,9 @@ class Args:
         ["none", "tensorboard"])
     save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
+    system_prompt: str = cli.arg(
+        "bfcl", "BFCL's system prompt: bfcl = bfcl-eval's own, verbatim; short = a paraphrase that "
+        "fits a laptop model's context", ["bfcl", "short"])
     resume: bool = cli.arg(
         False, "continue each GRPO arm from its checkpoint (stage 1 is recomputed: deterministic)")
     overwrite: bool = cli.arg(
@@ -164,7 +171,7 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
         model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
         docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, beta=0.0, sft_lr=1e-4,
         sft_epochs=2, rctp_epochs=2, sft_batch=4, failure_rollouts=1, max_steps=2,
-        max_new_tokens=32, temperature=0.7, micro_batch_tokens=1024),
+        max_new_tokens=32, temperature=0.7, micro_batch_tokens=1024, system_prompt="short"),
 }
 
 

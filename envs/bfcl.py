@@ -28,7 +28,7 @@ from utils import models
 
 
 CATEGORIES = ["base", "long_context", "miss_func", "miss_param"]
-SYSTEM_PROMPT = (  # a shortened paraphrase of bfcl-eval's DEFAULT_SYSTEM_PROMPT
+SHORT_SYSTEM_PROMPT = (  # the laptop preset's shortened paraphrase of bfcl-eval's system prompt
     "You are an expert in composing functions. Based on the question, make one or "
     "more function calls to achieve the purpose. If none of the functions can be "
     "used, or the question lacks required parameters, point it out. To call "
@@ -36,7 +36,7 @@ SYSTEM_PROMPT = (  # a shortened paraphrase of bfcl-eval's DEFAULT_SYSTEM_PROMPT
     "[func_name1(param=value, ...), func_name2(param=value)]. Keep calling functions "
     "until the user's request is fulfilled; when you have no more calls to make, "
     "reply in plain text and the turn ends.\nHere is a list of functions in JSON "
-    "format that you can invoke.\n")
+    "format that you can invoke.\n{functions}")
 
 
 MAX_CALL_CHARS = (
@@ -378,15 +378,22 @@ def bfcl_check(entry, calls_per_turn):
 
 
 class ChatFormat:
-    """How a dialogue is written at full scale: the tokenizer's chat template, BFCL's system prompt
-    with the function docs, calls as the Python list BFCL asks for, results cut at 2 000
-    characters. (The toy's words are `bfcl_toy.ToyFormat`.)"""
+    """How a dialogue is written at full scale: the tokenizer's chat template, a system prompt with
+    the function docs (system_prompt="bfcl": bfcl-eval's own, verbatim; "short": the laptop
+    preset's paraphrase), calls as the Python list BFCL asks for, results cut at 2 000 characters.
+    (The toy's words are `bfcl_toy.ToyFormat`.)"""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, system_prompt="bfcl"):
+        from bfcl_eval.constants.default_prompts import _DEFAULT_SYSTEM_PROMPT
+
         self.tokenizer = tokenizer
+        self.system_prompt = SHORT_SYSTEM_PROMPT
+        if system_prompt == "bfcl":
+            self.system_prompt = _DEFAULT_SYSTEM_PROMPT
 
     def system_messages(self, entry):
-        return [{"role": "system", "content": SYSTEM_PROMPT + json.dumps(function_docs(entry)[0])}]
+        docs = json.dumps(function_docs(entry)[0])
+        return [{"role": "system", "content": self.system_prompt.replace("{functions}", docs)}]
 
     def render(self, messages):
         return self.tokenizer.apply_chat_template(
@@ -423,7 +430,8 @@ def build_bfcl(args, device):
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     train, test = split_entries(load_bfcl_entries())
     return World(
-        train, test, tokenizer, model.to(device), text_format=ChatFormat(tokenizer),
+        train, test, tokenizer, model.to(device),
+        text_format=ChatFormat(tokenizer, args.system_prompt),
         end_text="Done.", reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
 
 

@@ -204,6 +204,17 @@ def test_backend_calls_have_a_time_limit_and_a_result_cap():
     assert len(bfcl.observation(world, [echoed])) <= min(2000, bfcl.MAX_RESULT_CHARS)
 
 
+def test_full_scale_uses_bfcl_evals_own_system_prompt_verbatim(entries):
+    from bfcl_eval.constants.default_prompts import _DEFAULT_SYSTEM_PROMPT
+
+    entry = entries[0]
+    docs = json.dumps(bfcl.function_docs(entry)[0])
+    (system,) = bfcl.ChatFormat(None).system_messages(entry)
+    assert system["content"] == _DEFAULT_SYSTEM_PROMPT.format(functions=docs)
+    (short,) = bfcl.ChatFormat(None, "short").system_messages(entry)
+    assert short["content"].endswith(docs) and len(short["content"]) < len(system["content"])
+
+
 def test_task_subsets_are_stratified_over_the_categories(entries):
     picked = bfcl.stratified(entries, 8)
     assert sorted(e["category"] for e in picked) == sorted(bfcl.CATEGORIES * 2)

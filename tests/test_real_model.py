@@ -54,19 +54,24 @@ def flowrl_flags(group_size):
         "--minibatches", "2"]
 
 
-def test_flowrl_on_smollm2_scores_what_it_sampled_and_the_second_mini_batch_is_off_policy(
+def test_flowrl_on_smollm2_scores_what_it_sampled_and_warms_up_per_rollout_batch(
         smollm2, tmp_path):
-    """Peak memory is bounded by the micro-batch budget (the property test in test_first_contact);
-    at this size RSS varies by ±100 MiB between runs, more than one micro-batch's activations, so
-    it is not compared here."""
+    """The full path with two mini-batches and `--warmup-steps 2`: the learning rate is 0 through
+    the whole first rollout batch (so even its second mini-batch is still on-policy), then rises
+    per batch, and the second mini-batch of a batch at lr > 0 is off-policy. Peak memory is bounded
+    by the micro-batch budget (the property test in test_first_contact); at this size RSS varies by
+    ±100 MiB between runs, more than one micro-batch's activations, so it is not compared here."""
     flags = flowrl_flags(4)
-    small = run(flags[0], tmp_path / "g4", *flags[1:])
+    warm_up = ["--steps", "3", "--warmup-steps", "2", "--lr", "1e-4"]
+    small = run(flags[0], tmp_path / "g4", *flags[1:], *warm_up)
     assert small["sampler_logprob_max_dev"] <= 1e-3
     start = load_file(smollm2 / "model.safetensors")
     assert moved(start, tmp_path / "g4" / "policy" / "model.safetensors") > 0
-    # the preset's mini-batch schedule: w = 1 on the first mini-batch, w ≠ 1 on the second
-    step = json.loads((tmp_path / "g4" / "metrics.jsonl").read_text().splitlines()[0])
-    assert step["ratio_dev_first"] == 0 and step["ratio_dev"] > 0
+    lines = (tmp_path / "g4" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert [s["lr"] for s in steps] == [0.0, 5e-5, 1e-4]
+    assert steps[0]["ratio_dev"] == 0  # lr 0: the first batch's second mini-batch sees π_old
+    assert steps[1]["ratio_dev_first"] == 0 and steps[1]["ratio_dev"] > 0
 
 
 def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(smollm2):
