@@ -47,7 +47,7 @@ Deviations (numbered, on purpose):
        paper trains an instruction model that already writes it.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
-    python agentflow.py               # held-out accuracy 0.577 → 0.952; final-turn 0.407
+    python agentflow.py               # held-out accuracy 0.577 → 0.921; final-turn 0.426
     python agentflow.py --seeds 0-4   # the same on five seeds, one table (the figures above are
                                       # its means, docs/agentflow.md)
 Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 21 min a seed on 2 cores):

@@ -138,8 +138,12 @@ class SampledLogprobs:
         if self.row_seeds:
             self.rngs = self.rngs or [torch.Generator(scores.device).manual_seed(seed)
                                       for seed in self.row_seeds]
-            drawn = torch.cat([torch.multinomial(p, 1, generator=g)
-                               for p, g in zip(self.last.exp(), self.rngs)])
+            # one exponential draw per row, then one argmax: the Gumbel-style trick that
+            # torch.multinomial itself uses for one sample, so the same tokens (a test)
+            noise = torch.empty_like(self.last)
+            for row, rng in zip(noise, self.rngs):
+                row.exponential_(generator=rng)
+            drawn = (self.last.exp() / noise).argmax(dim=-1)
             keep = torch.full_like(scores, -float("inf"))
             scores = keep.scatter(1, drawn[:, None], scores.gather(1, drawn[:, None]))
         return scores

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 import agentflow
 import common
@@ -119,3 +120,23 @@ def test_minibatches_split_rows_disjointly():
     parts = common.split_minibatches(10, 4)
     assert [len(p) for p in parts] == [3, 3, 2, 2] and sum(parts, []) == list(range(10))
     assert common.split_minibatches(1, 3) == [[0], [], []]  # every rank still takes 3 steps
+
+
+def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
+    """SampledLogprobs draws every row's token with one exponential per row and one argmax; a loop
+    of torch.multinomial calls, each on its row's own generator, draws the same tokens step after
+    step."""
+    seeds = list(range(16))
+    sampler = common.SampledLogprobs(0.7, row_seeds=seeds)
+    loop_rngs = [torch.Generator().manual_seed(s) for s in seeds]
+    scores_rng = torch.Generator().manual_seed(1)
+    ids = torch.zeros(16, 1, dtype=torch.long)
+    for _ in range(12):
+        scores = torch.randn(16, 300, generator=scores_rng) * 4
+        kept = sampler(ids, scores.clone())
+        drawn = kept.argmax(dim=-1)  # every other token is at -inf
+        probs = torch.softmax(scores / 0.7, dim=-1)
+        expected = torch.cat([torch.multinomial(p, 1, generator=g)
+                              for p, g in zip(probs, loop_rngs)])
+        assert torch.equal(drawn, expected)
+        ids = torch.cat([ids, drawn[:, None]], dim=1)
