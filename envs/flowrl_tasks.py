@@ -219,15 +219,19 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
 def avg_at_k(model, tokenizer, task, args, accelerator):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's
     setup); with k = 1 at T = 0 it is greedy accuracy. Sharded: each rank samples every N-th of
-    the k·|eval| rows and the scores are gathered, so no rank waits while another evaluates."""
+    the k·|eval| rows and the scores are gathered, so no rank waits while another evaluates. Each
+    (question, sample) row draws from its own seed, so the k samples differ and Avg@k is the same
+    for any number of ranks."""
     from accelerate.utils import gather_object
 
     rows = [(prompt, answer) for prompt, answer in task.eval_rows for _ in range(args.eval_k)]
+    row_seeds = [distributed.sampling_seed(args.seed, 0, r) for r in range(len(rows))]
     mine = rows[accelerator.process_index :: accelerator.num_processes]
+    my_seeds = row_seeds[accelerator.process_index :: accelerator.num_processes]
     samples = common.sample_completions(
         model, tokenizer, [prompt for prompt, _ in mine], args.max_new_tokens,
         temperature=args.eval_temperature, batch_rows=args.gen_batch,
-        precision=args.mixed_precision)
+        precision=args.mixed_precision, row_seeds=my_seeds if args.eval_temperature > 0 else None)
     scores = [score(task.kind, text, answer) for (text, _, _), (_, answer) in zip(samples, mine)]
     scores = gather_object(scores) if accelerator.num_processes > 1 else scores
     return {"avg_at_k": sum(scores) / len(scores)}

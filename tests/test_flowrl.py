@@ -346,3 +346,42 @@ def test_train_takes_args_built_in_python(tmp_path):
     summary = flowrl.train(flowrl.Args(steps=2, eval_every=2, quiet=True, out_dir=str(tmp_path)))
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["preset"] == "toy" and summary["kl_policy_to_target"] > 0
+
+
+def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path, monkeypatch):
+    """Avg@k's rows are seeded per (question, sample): the k samples of a question differ, and two
+    ranks' shards draw exactly what one process draws for the same rows."""
+    import types
+
+    import accelerate.utils
+
+    tokenizer = models.make_tokenizer(
+        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
+    model = models.tiny_causal_lm(len(tokenizer))
+    args = toy_args(tmp_path, "--preset", "full", "--model", "tiny", "--data", "x.jsonl",
+                    "--eval-k", "4", "--max-new-tokens", "6", "--mixed-precision", "fp32")
+    task = types.SimpleNamespace(kind="math", eval_rows=[("What is 1 + 2 ?", "3"),
+                                                         ("Half of 4 ?", "2")])
+    drawn = []
+    sample = common.sample_completions
+
+    def recording(*a, **kw):
+        out = sample(*a, **kw)
+        drawn.append([text for text, _, _ in out])
+        return out
+
+    monkeypatch.setattr(common, "sample_completions", recording)
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda scores: scores)
+
+    def ranks(n):
+        results = []
+        for rank in range(n):
+            accelerator = types.SimpleNamespace(process_index=rank, num_processes=n)
+            results.append(flowrl_tasks.avg_at_k(model, tokenizer, task, args, accelerator))
+        return results
+
+    ranks(1)
+    ranks(2)
+    one, rank0, rank1 = drawn
+    assert one[0::2] == rank0 and one[1::2] == rank1  # row r on rank r mod 2, the same draw
+    assert len(set(one[:4])) > 1  # one question's 4 samples are not one sample repeated
