@@ -340,8 +340,11 @@ def evaluate(system, queries, args, accelerator=None):
 
     world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     system.frozen_temperature = 0.0  # every module greedy at evaluation (the original's)
-    trajectories = run_agent(
-        queries[rank::world], system, planner_sampler(system, 0.0, args), args.eval_max_turns)
+    mine = queries[rank::world]  # empty on a rank past the last query
+    trajectories = []
+    if mine:
+        trajectories = run_agent(
+            mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns)
     numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
                for t in trajectories]
     numbers = gather_object(numbers) if world > 1 else numbers
@@ -555,9 +558,10 @@ def train(args):
     if test:  # the row of `make demo`'s table, and one rollout before and after
         summary["claim"] = {"text": "AgentFlow planner: held-out accuracy goes up",
                             "before": before["accuracy"], "after": after["accuracy"]}
-        shown = "\n".join(["before training:", agent_tools.format_rollout(before_rollouts[0]),
-                           "after training:", agent_tools.format_rollout(after_rollouts[0])])
-        if accelerator.is_main_process:
+        if accelerator.is_main_process:  # rank 0 holds the first query's rollouts
+            shown = "\n".join([
+                "before training:", agent_tools.format_rollout(before_rollouts[0]),
+                "after training:", agent_tools.format_rollout(after_rollouts[0])])
             (out_dir / "rollouts.txt").write_text(shown + "\n")
             if not args.quiet:
                 print(shown)

@@ -343,6 +343,8 @@ def train(args):
     # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
     # groups and the gradients are averaged once per optimiser step (distributed.average_gradients).
     mine = distributed.local_groups(args.prompts_per_step, accelerator)
+    if accelerator.num_processes > 1:  # log Z's dropout: each rank draws its own masks
+        torch.manual_seed(distributed.sampling_seed(args.seed, 0, accelerator.process_index))
     run = tracking.Run(
         out_dir,
         args,

@@ -113,6 +113,23 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
 
 
+def test_an_evaluation_with_fewer_queries_than_ranks_finishes(tmp_path):
+    """AgentFlow's full path under two ranks with one held-out query: rank 1's shard is empty; it
+    rolls out nothing and the gathered accuracy is rank 0's."""
+    from test_agentflow import tiny_planner
+
+    model = tiny_planner(tmp_path)
+    first = (tmp_path / "qa.jsonl").read_text().splitlines()[0]
+    (tmp_path / "one.jsonl").write_text(first + "\n")
+    flags = ["agentflow", "--preset", "full", "--model", str(model), "--data",
+             str(tmp_path / "qa.jsonl"), "--eval-data", str(tmp_path / "one.jsonl"), "--corpus",
+             str(tmp_path / "corpus.jsonl"), "--steps", "1", "--queries-per-step", "2",
+             "--group-size", "2", "--max-new-tokens", "6", "--lora-rank", "4", "--save-every",
+             "0", "--timeout", "60"]
+    rank0, rank1 = train_and_load(tmp_path, "one-query", 2, flags)
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+
+
 def test_uneven_rc_grpo_ranks_finish_and_agree(tmp_path):
     """RC-GRPO's dialogues differ in length per rank: with a small token budget the ranks run
     different numbers of micro-batches and still end with the same weights."""
@@ -130,3 +147,35 @@ def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
              "--group-size", "8", "--eval-every", "1", "--timeout", "4"]
     rank0, rank1 = train_and_load(tmp_path, "slow-eval", 2, flags, {"SLOW_EVAL_SECONDS": "8"})
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+
+
+def _average_on_rank(rank, port, out):
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    params[0].grad = torch.full((3,), 2.0 * (rank + 1))  # on both ranks
+    if rank == 0:
+        params[1].grad = torch.full((3,), 4.0)  # on one rank only
+    distributed.average_gradients(params, SimpleNamespace(num_processes=2))
+    torch.save([None if p.grad is None else p.grad for p in params], f"{out}.{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_gradient_none_on_every_rank_stays_none(tmp_path):
+    """Averaging over two gloo ranks: a gradient on both is their mean, one on a single rank is
+    halved (the other adds zeros), and one on no rank stays None, so AdamW leaves that parameter
+    alone (no weight decay on a zero gradient), as it would in one process."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_average_on_rank, args=(port, str(tmp_path / "grads")), nprocs=2)
+    for rank in range(2):
+        both, one, none = torch.load(tmp_path / f"grads.{rank}.pt")
+        assert torch.equal(both, torch.full((3,), 3.0)) and torch.equal(one, torch.full((3,), 2.0))
+        assert none is None

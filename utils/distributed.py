@@ -49,13 +49,20 @@ def sampling_seed(seed, step, stream):
 
 def average_gradients(params, accelerator):
     """g ← mean over ranks of each rank's accumulated g: what DDP's all-reduce computes, as one
-    collective per parameter per optimiser step, so ranks may run different numbers of
+    collective per parameter per optimiser step (a rank without a gradient adds zeros), so ranks may run different numbers of
     micro-batches (their rollouts differ in length) without a hang. A no-op in one process."""
     if accelerator.num_processes == 1:
         return
     import torch.distributed as dist
 
-    for p in params:  # every rank reduces every parameter, in the same order
+    # which parameters got a gradient on any rank (one small all-reduce): one that got none
+    # anywhere stays None, so AdamW skips it as it would in one process
+    has_grad = [p.grad is not None for p in params]
+    has_grad = torch.tensor(has_grad, dtype=torch.float, device=params[0].device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    for p, anywhere in zip(params, has_grad.tolist()):  # every rank, the same order
+        if not anywhere:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
