@@ -447,8 +447,10 @@ def train_arm(args, system, out_dir, accelerator):
         advantages = [advantage for _, advantage in samples]
         advantages = torch.tensor(advantages, device=device)  # (turn-samples,)
         planner.train()
+        parts = turn_minibatches(len(samples), args, step=step, accelerator=accelerator)
+        reused = args.inner_steps > 1 or len(parts) > 1  # else on-policy: π_old = logp.detach()
         minibatches = []
-        for rows in turn_minibatches(len(samples), args, step=step, accelerator=accelerator):
+        for rows in parts:
             micro_batches = common.scored_micro_batches(
                 tokenizer,
                 prompts,
@@ -459,13 +461,12 @@ def train_arm(args, system, out_dir, accelerator):
                 model=planner,
                 reference=reference,
                 temperature=args.temperature,
+                with_old=reused,
                 precision=args.mixed_precision,
                 rows=rows,
             )
             minibatches.append(micro_batches)
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
-        step_gap = common.sampler_gap(every_micro_batch)
-        sampler_dev = max(sampler_dev, step_gap)
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
         #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
@@ -483,6 +484,8 @@ def train_arm(args, system, out_dir, accelerator):
                 with autocast:
                     logp = common.completion_logprobs(  # (B, W)
                         planner, ids, attn, completion_len, temperature=args.temperature)
+                if mb.old_logp is None:  # on-policy: π_old is exactly this forward
+                    mb.old_logp = logp.detach()
                 loss, stats = flow_grpo_loss(
                     logp,
                     mb.old_logp,
@@ -511,6 +514,8 @@ def train_arm(args, system, out_dir, accelerator):
             common.check_finite(grad_norm, step, "gradient norm")
             optimizer.step()
         stats = {name: total / max(1, stat_rows) for name, total in stat_sums.items()}
+        step_gap = common.sampler_gap(every_micro_batch)
+        sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
         rewards = rewards.float().to(device)

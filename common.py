@@ -275,16 +275,18 @@ class MicroBatch:
 
 
 def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, token_budget, device,
-                         model=None, reference=None, temperature=1.0, with_reference=True,
-                         precision="auto", rows=None):
+                         model=None, reference=None, temperature=1.0, with_old=True,
+                         with_reference=True, precision="auto", rows=None):
     """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most `token_budget`
     packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
 
     Each is packed, with the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None)
-    placed on its mask. When `model` is given: π_old = the trainer's own no-grad forward of the
-    same ids in the same mode and precision as the update's (so an on-policy ratio is exactly 1: a
-    bf16 `generate` rounds differently and stays a diagnostic only), and, with `with_reference`,
-    π_ref (the frozen `reference`, else `model` with its adapter off)."""
+    placed on its mask. When `model` is given: with `with_old`, π_old = the trainer's own no-grad
+    forward of the same ids in the same mode and precision as the update's (a bf16 `generate` rounds
+    differently and stays a diagnostic only) — needed only where samples are reused (several
+    mini-batches or epochs); an on-policy update leaves it None and takes its own logp.detach(),
+    the same numbers without a second forward. With `with_reference`, π_ref (the frozen
+    `reference`, else `model` with its adapter off)."""
     subset, out = list(range(len(prompts)) if rows is None else rows), []
     if not subset:  # an empty mini-batch (fewer rows than mini-batches)
         return out
@@ -298,8 +300,9 @@ def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, toke
             mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])
         if model is not None:
             with torch.no_grad(), training_autocast(device, precision):
-                mb.old_logp = completion_logprobs(
-                    model, ids, attn, mask.shape[1], temperature=temperature)
+                if with_old:
+                    mb.old_logp = completion_logprobs(
+                        model, ids, attn, mask.shape[1], temperature=temperature)
                 if with_reference:
                     mb.ref_logp = reference_logprobs(
                         model, reference, ids, attn, mask.shape[1], temperature=temperature)

@@ -387,8 +387,10 @@ def train(args):
         rewards = torch.tensor(rewards)
 
         # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
-        #    π_old = the trainer's no-grad forward before any update, π_ref once (not for GRPO)
+        #    π_old = the trainer's no-grad forward before any update where samples are reused
+        #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
         model.train()
+        reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
         minibatches = []
         for rows in common.split_minibatches(len(samples), args.minibatches):
             micro_batches = common.scored_micro_batches(
@@ -400,14 +402,13 @@ def train(args):
                 device=device,
                 model=model,
                 reference=ref_model,
+                with_old=reused,
                 with_reference=args.algo != "grpo",
                 precision=args.mixed_precision,
                 rows=rows,
             )
             minibatches.append(micro_batches)
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
-        step_gap = common.sampler_gap(every_micro_batch)
-        sampler_dev = max(sampler_dev, step_gap)
 
         # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
         reward_hat = rewards
@@ -452,8 +453,10 @@ def train(args):
                         completion_len,
                         return_hidden=args.algo == "flowrl",
                     )
+                logp, hidden = scored if args.algo == "flowrl" else (scored, None)
+                if mb.old_logp is None:  # on-policy: π_old is exactly this forward
+                    mb.old_logp = logp.detach()
                 if args.algo == "flowrl":  # the TB residual, squared and weighted by w
-                    logp, hidden = scored
                     logp_sum = sequence_logprob(logp, mask)
                     old_sum = sequence_logprob(mb.old_logp, mask)
                     log_ratio = logp_sum.detach() - old_sum
@@ -479,7 +482,6 @@ def train(args):
                         "residual_abs": residual.detach().abs(),
                     }
                 else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                    logp = scored
                     log_ratio = (logp.detach() - mb.old_logp) * mask
                     ratio = torch.exp(log_ratio)  # per token
                     loss, stats = grpo_loss(
@@ -507,6 +509,8 @@ def train(args):
             common.check_finite(grad_norm, step, "gradient norm")
             optimizer.step()
         stats = {name: float(total / stat_rows) for name, total in stat_sums.items()}
+        step_gap = common.sampler_gap(every_micro_batch)
+        sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         rewards = rewards.to(device)

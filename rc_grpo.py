@@ -388,9 +388,9 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         token_count = sum(len(c) for c in completions)
         token_count = max(1, token_count)
 
-        # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; π_old =
-        #    the trainer's own no-grad forward before the update, π_ref once. A sample with A = 0
-        #    has no gradient when β = 0: it is not scored, and π_ref is not needed
+        # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; on-policy,
+        #    so π_old = the update's own log-probs, detached; π_ref once. A sample with A = 0 has
+        #    no gradient when β = 0: it is not scored, and π_ref is not needed
         model.train()
         scored = [k for k, a in enumerate(sample_advantages) if a or args.beta]
         sample_advantages = torch.tensor(sample_advantages, device=model.device)
@@ -404,12 +404,11 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
             model=model,
             reference=reference,
             temperature=args.temperature,
+            with_old=False,
             with_reference=bool(args.beta),
             precision=args.mixed_precision,
             rows=scored,
         )
-        step_gap = common.sampler_gap(micro_batches)
-        sampler_dev = max(sampler_dev, step_gap)
         optimizer.zero_grad()
         logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every micro-batch
         stat_sums, stat_rows = collections.defaultdict(float), 0
@@ -419,6 +418,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
             with autocast:
                 logp = common.completion_logprobs(  # (B, W)
                     model, ids, attn, completion_len, temperature=args.temperature)
+            mb.old_logp = logp.detach()  # π_old: exactly this forward
             loss, stats = rc_grpo_loss(
                 logp,
                 mb.old_logp,
@@ -438,6 +438,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
             stat_rows += num_micro_rows
             for stat, value in stats.items():
                 stat_sums[stat] += value * num_micro_rows
+        step_gap = common.sampler_gap(micro_batches)
+        sampler_dev = max(sampler_dev, step_gap)
         distributed.average_gradients(params, accelerator)  # the one collective of the step
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
