@@ -74,6 +74,7 @@ import collections
 import copy
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -361,6 +362,7 @@ def train(args):
     first, sampler_dev, final = extra.get("first", first), extra.get("sampler_dev", 0.0), {}
     num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
+        clock = [time.perf_counter()]  # the phases' ends, logged as seconds (the benchmark's)
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
@@ -381,6 +383,7 @@ def train(args):
         texts = [text for text, _, _ in samples]
         completions = [ids for _, ids, _ in samples]
         sampler_logps = [logp for _, _, logp in samples]
+        clock.append(time.perf_counter())
 
         # 2. rewards r
         rewards = [task.reward(i, text) for i, text in zip(prompt_ids, texts)]
@@ -428,6 +431,7 @@ def train(args):
             shaped = kl_regularised_reward(rewards, old_logps, ref_logps, lengths, args.beta)
         advantages = common.group_advantages(shaped, args.group_size)
         advantages = advantages.to(device)
+        clock.append(time.perf_counter())
 
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
@@ -511,6 +515,7 @@ def train(args):
         stats = {name: float(total / stat_rows) for name, total in stat_sums.items()}
         step_gap = common.sampler_gap(every_micro_batch)
         sampler_dev = max(sampler_dev, step_gap)
+        clock.append(time.perf_counter())
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         rewards = rewards.to(device)
@@ -522,6 +527,8 @@ def train(args):
         record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
         record["grad_norm"] = grad_norm.item()
         record["lr"] = optimizer.param_groups[0]["lr"]
+        phases = ("time_rollout", "time_prepare", "time_update")  # 1, 2-4 (π_old, π_ref), 5
+        record |= {name: end - begin for name, begin, end in zip(phases, clock, clock[1:])}
         if step % args.eval_every == 0 or step == args.steps:
             metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
             final = metrics if step == args.steps else final

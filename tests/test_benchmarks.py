@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from utils import models
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,13 +41,17 @@ def test_rollout_throughput_counts_the_generated_tokens():
     assert rollouts_and_memory.generation_throughput(64, 2, new_tokens=4) > 0
 
 
-def test_trl_comparison_splits_our_step_and_times_its_floor():
-    """bench_vs_trl's own side and the floor (TRL's side needs .venv-bench): every phase is timed
-    and positive, and the case's prompts are sampled G times each."""
+def test_trl_comparison_times_flowrls_own_loop_and_its_floor(tmp_path):
+    """bench_vs_trl's own side is flowrl.train's loop (its logged phase times) and the floor
+    (TRL's side needs .venv-bench): every phase is timed and positive."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_vs_trl
 
-    case = bench_vs_trl.tiny_case(64) | {"steps": 1, "new_tokens": 4}
-    ours, floor = bench_vs_trl.ours(case), bench_vs_trl.floor(case)
-    assert set(ours) == {"generation", "scoring", "update"} and min(ours.values()) > 0
-    assert set(floor) == {"generate", "forward_backward"} and min(floor.values()) > 0
+    words = "What is a + ? Reply with only the number.".split() + [str(n) for n in range(100)]
+    tokenizer = models.make_tokenizer(words)
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    result = bench_vs_trl.compare(bench_vs_trl.case(str(tmp_path), steps=1), with_trl=False)
+    assert set(result["ours_s"]) == {"generation", "scoring", "update"}
+    assert min(result["ours_s"].values()) > 0 and min(result["floor_s"].values()) > 0
+    assert set(result["floor_s"]) == {"generate", "forward_backward_adamw"}
