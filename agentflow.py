@@ -126,6 +126,8 @@ class Args:
         4096,
         "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
     gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
+    gen_tokens: int = cli.arg(
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0 = rows only)")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
     mixed_precision: str = cli.arg(
@@ -160,7 +162,8 @@ PRESETS = {
         model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
         inner_steps=1, minibatch_rows=64, max_new_tokens=2048, temperature=0.7, lr=1e-5,
         weight_decay=0.01, dual_clip=3.0, lora_rank=64, ablation=False, eval_every=25,
-        micro_batch_tokens=16384, gen_batch=64, gradient_checkpointing=True, warm_start_steps=0),
+        micro_batch_tokens=16384, gen_batch=64, gen_tokens=262144, gradient_checkpointing=True,
+        warm_start_steps=0),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
     # what, for fictional people whose one-line records only the retrieval tool can find. The whole
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
@@ -306,7 +309,7 @@ def planner_sampler(system, temperature, args):
     """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
     return lambda prompts: common.sample_completions(
         system.planner, system.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
-        batch_rows=args.gen_batch, precision=args.mixed_precision)
+        batch_rows=args.gen_batch, token_budget=args.gen_tokens, precision=args.mixed_precision)
 
 
 def warm_start(system, demos, args):

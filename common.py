@@ -155,13 +155,32 @@ class SampledLogprobs:
             self.last = None
 
 
+def generation_chunks(prompt_lengths, max_new_tokens, batch_rows, token_budget=0):
+    """Contiguous ranges of prompts, one `generate` call each: at most `batch_rows` rows and, with
+    a `token_budget`, rows × (longest prompt + max_new_tokens) ≤ budget, the padded size the call
+    can reach (a prompt alone over the budget gets a call of its own)."""
+    chunks, lo, longest = [], 0, 0
+    for i, length in enumerate(prompt_lengths):
+        rows = i - lo + 1
+        width = max(longest, length) + max_new_tokens
+        too_big = rows > batch_rows or (token_budget and rows * width > token_budget)
+        if too_big and i > lo:
+            chunks.append(range(lo, i))
+            lo, longest = i, 0
+        longest = max(longest, length)
+    if lo < len(prompt_lengths):
+        chunks.append(range(lo, len(prompt_lengths)))
+    return chunks
+
+
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature=1.0,
-                       stop_at_eos=True, batch_rows=64, precision="auto", row_seeds=None):
+                       stop_at_eos=True, batch_rows=64, token_budget=0, precision="auto",
+                       row_seeds=None):
     """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
-    `generate` runs on at most `batch_rows` prompts at a time (bounded memory), with an explicit
-    `generation_config`; the log-probs are the ones the sampler drew from (`SampledLogprobs`). A
+    `generate` runs on at most `batch_rows` prompts at a time, and at most `token_budget` padded
+    tokens (`generation_chunks`: bounded memory), with an explicit `generation_config`; the log-probs are the ones the sampler drew from (`SampledLogprobs`). A
     completion keeps its tokens up to and including the first EOS; the EOS is scored, so the policy
     learns to stop. Decoding uses only the kept ids (padding never reaches the text). Greedy (T =
     0): log-probs are zeros.
@@ -173,11 +192,13 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature
     stop = torch.tensor(config.eos_token_id or [], dtype=torch.long)
     tokenizer.padding_side = "left"
     out = []
-    for lo in range(0, len(prompts), batch_rows):
-        enc = tokenizer(prompts[lo : lo + batch_rows], return_tensors="pt", padding=True,
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
+        lo, hi = chunk.start, chunk.stop
+        enc = tokenizer(prompts[lo:hi], return_tensors="pt", padding=True,
                         add_special_tokens=False).to(model.device)
         recorder = SampledLogprobs(temperature if temperature > 0 else 1.0,
-                                   row_seeds and row_seeds[lo : lo + batch_rows])
+                                   row_seeds and row_seeds[lo:hi])
         with training_autocast(model.device, precision):  # the precision the trainer scores in
             seq = model.generate(
                 **enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))

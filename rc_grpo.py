@@ -133,6 +133,8 @@ class Args:
     micro_batch_tokens: int = cli.arg(
         4096, "padded tokens per forward pass; gradients accumulate over micro-batches")
     gen_batch: int = cli.arg(64, "rollouts per `generate` call")
+    gen_tokens: int = cli.arg(
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0 = rows only)")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (bfcl preset: on)")
     mixed_precision: str = cli.arg(
@@ -164,7 +166,8 @@ PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo
     "bfcl": dict(
         model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
         lr=1e-5, sft_lr=1e-4, sft_batch=16, failure_rollouts=2, max_steps=20, max_new_tokens=256,
-        lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gradient_checkpointing=True),
+        lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gen_tokens=262144,
+        gradient_checkpointing=True),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled, fully fine-tuned so one run
     # trains both arms): 19 short BFCL entries, first turn, needed docs; β 0: flat groups unscored
     "smollm2-bfcl": dict(

@@ -89,6 +89,7 @@ class ToolSystem:
     gen_batch: int
     hidden_files: tuple
     unsafe_python_tool: bool = False  # the user's opt-in to run model code unisolated
+    gen_tokens: int = 0  # padded tokens per `generate` call (0: rows only)
     frozen_temperature: float = 0.0  # set by the training loop and by evaluate
 
     def chat(self, text):
@@ -103,16 +104,16 @@ class ToolSystem:
             program, self.tool_timeout, hidden_files=self.hidden_files,
             unsafe=self.unsafe_python_tool)
 
-    def frozen(self, prompts, max_new_tokens=None, temperature=None):
+    def frozen(self, prompts, module, temperature=None):
         """The frozen modules: base weights (adapter off), sampled at `frozen_temperature` unless
-        `temperature` is given."""
+        `temperature` is given, each module at most its own MODULE_TOKENS (and the planner's cap)."""
         if temperature is None:
             temperature = self.frozen_temperature
+        max_new_tokens = min(MODULE_TOKENS[module], self.max_new_tokens)
         with self.planner.disable_adapter():
             out = common.sample_completions(
-                self.planner, self.tokenizer, [self.chat(p) for p in prompts],
-                max_new_tokens or self.max_new_tokens, temperature=temperature,
-                batch_rows=self.gen_batch)
+                self.planner, self.tokenizer, [self.chat(p) for p in prompts], max_new_tokens,
+                temperature=temperature, batch_rows=self.gen_batch, token_budget=self.gen_tokens)
         return [text for text, _, _ in out]
 
     def analyse(self, queries):
@@ -121,7 +122,8 @@ class ToolSystem:
         model, so it is never a trained turn."""
         return self.frozen([
             f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\nAnalyse the question in "
-            "two sentences: what it asks, and which skills and tools would help." for q in queries])
+            "two sentences: what it asks, and which skills and tools would help." for q in queries],
+            "analysis")
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
@@ -169,12 +171,13 @@ class ToolSystem:
                 f"Sub-Goal: {goal}\nWrite the input for the tool '{tool}': {FULL_TOOLS[tool][1]}. "
                 "Reply with the input only."
                 for q, tool, goal, m in calls
-            ]
+            ],
+            "executor",
         )
         asked = [command for (_, tool, _, _), command in zip(calls, commands) if tool == "generate"]
         # the generate tool: one batch, greedy ("the LLM engines within the tools are set to a
         # temperature of 0.0", App. C.1)
-        generated = iter(self.frozen(asked, temperature=0.0) if asked else [])
+        generated = iter(self.frozen(asked, "generate", temperature=0.0) if asked else [])
         programs = [python_program(command)
                     for (_, tool, _, _), command in zip(calls, commands) if tool == "python"]
         with ThreadPoolExecutor(max_workers=PYTHON_WORKERS) as pool:  # the turn's programs at once
@@ -196,14 +199,14 @@ class ToolSystem:
                 "answer? Reply STOP or CONTINUE."
                 for q, m in items
             ],
-            max_new_tokens=8,
+            "verifier",
         )
         return ["STOP" in v.upper() for v in verdicts]
 
     def generate(self, items):
         """The final answer from M, the question last (where a small model reads it best)."""
         texts = self.frozen([f"Memory:\n{render_memory(m)}\nQuestion: {q['question']}\nAnswer "
-                             "the question in a few words." for q, m in items])
+                             "the question in a few words." for q, m in items], "answer")
         return [(re.findall(r"Answer:\s*(.+)", t) or [t.strip() or None])[-1] for t in texts]
 
     def judge(self, query, answer):
@@ -211,6 +214,10 @@ class ToolSystem:
 
 
 PYTHON_WORKERS = 8  # Python tool calls of one turn that run at once
+# each frozen module's generation cap (at most the planner's): the analysis asks for two sentences,
+# the verifier for one word; the executor's command and the generate tool may be code or prose
+MODULE_TOKENS = {"analysis": 128, "executor": 512, "generate": 512, "verifier": 8, "answer": 128}
+MEMORY_FIELD_CHARS = 500  # each sub-goal, command and result as the modules read them
 
 
 def python_program(command):
@@ -235,9 +242,10 @@ def render_memory(memory):
     """M as text for the LLM modules, one line per step."""
     return (
         "\n".join(
-            f"Step {e['step']}: tool={e['tool']} sub-goal={e['subgoal']!r} "
-            f"command={e['command']!r} "
-            f"result={str(e['result'])[:500]!r}"
+            f"Step {e['step']}: tool={e['tool']} "
+            f"sub-goal={e['subgoal'][:MEMORY_FIELD_CHARS]!r} "
+            f"command={e['command'][:MEMORY_FIELD_CHARS]!r} "
+            f"result={str(e['result'])[:MEMORY_FIELD_CHARS]!r}"
             for e in memory.entries
         )
         or "(empty)"
@@ -280,4 +288,4 @@ def build_full(args, device):
         load_qa_jsonl(args.data),
         load_qa_jsonl(args.eval_data, "--eval-data") if args.eval_data else [],
         tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
-        args.gen_batch, hidden, args.unsafe_python_tool)
+        args.gen_batch, hidden, args.unsafe_python_tool, args.gen_tokens)

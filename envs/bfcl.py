@@ -557,7 +557,8 @@ def run_rollouts(world, entries, goals, temperature, args):
             break
         outputs = common.sample_completions(
             world.model, world.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
-            batch_rows=args.gen_batch, precision=args.mixed_precision)
+            batch_rows=args.gen_batch, token_budget=args.gen_tokens,
+            precision=args.mixed_precision)
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})

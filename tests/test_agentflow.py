@@ -255,7 +255,7 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
     seen = []
     monkeypatch.setattr(
         agent_tools.ToolSystem, "frozen",
-        lambda self, prompts, max_new_tokens=None, temperature=None:
+        lambda self, prompts, module, temperature=None:
             seen.extend(prompts) or ["Paris"] * len(prompts))
     memory = agentflow.Memory()
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)
@@ -270,7 +270,7 @@ def test_the_generate_tool_is_greedy_while_the_modules_sample(monkeypatch):
     system.frozen_temperature = 0.7
     used = []
 
-    def frozen(self, prompts, max_new_tokens=None, temperature=None):
+    def frozen(self, prompts, module, temperature=None):
         used.append(self.frozen_temperature if temperature is None else temperature)
         return ["an answer"] * len(prompts)
 
@@ -290,7 +290,7 @@ def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch
     system = agent_tools.build_full(args, torch.device("cpu"))
     temperatures = []
 
-    def frozen(self, prompts, max_new_tokens=None, temperature=None):
+    def frozen(self, prompts, module, temperature=None):
         temperatures.append(self.frozen_temperature)
         return ["ANALYSIS-" + str(i) if p.startswith("Question") and "Analyse" in p else "STOP"
                 for i, p in enumerate(prompts)]

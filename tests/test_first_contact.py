@@ -140,3 +140,38 @@ def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
                               for p, g in zip(probs, loop_rngs)])
         assert torch.equal(drawn, expected)
         ids = torch.cat([ids, drawn[:, None]], dim=1)
+
+
+def test_generate_chunks_keep_their_token_budget():
+    """Property: over random prompt lengths, every chunk holds at most `batch_rows` rows and
+    rows × (longest prompt + new tokens) ≤ the budget, unless it is one over-long prompt; the
+    chunks cover every prompt once, in order."""
+    rng = random.Random(0)
+    for trial in range(300):
+        lengths = [rng.randint(1, 400) for _ in range(rng.randint(1, 40))]
+        new_tokens, rows, budget = rng.randint(1, 64), rng.randint(1, 16), rng.randint(1, 4000)
+        chunks = common.generation_chunks(lengths, new_tokens, rows, budget)
+        assert [i for chunk in chunks for i in chunk] == list(range(len(lengths)))
+        for chunk in chunks:
+            width = max(lengths[i] for i in chunk) + new_tokens
+            assert len(chunk) <= rows, trial
+            assert len(chunk) * width <= budget or len(chunk) == 1, trial
+
+
+@pytest.mark.parametrize("name", ["rc_grpo", "agentflow"])
+def test_no_generate_call_of_a_run_exceeds_its_token_budget(tmp_path, name, monkeypatch):
+    """A short run of each script with --gen-tokens 300: every `generate` call it makes (rollouts,
+    evaluation, stage 1's failures) holds at most 300 padded tokens unless it is one row."""
+    from transformers import GenerationMixin
+
+    generate, shapes = GenerationMixin.generate, []
+
+    def recording(self, *args, **kwargs):
+        ids = kwargs["input_ids"]
+        shapes.append((ids.shape[0], ids.shape[1] + kwargs["generation_config"].max_new_tokens))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", recording)
+    first_step(tmp_path, name, *VARIED.get(name, []), "--gen-tokens", "300")
+    assert shapes and all(rows * width <= 300 or rows == 1 for rows, width in shapes)
+    assert any(rows > 1 for rows, _ in shapes)  # the budget still batches
