@@ -445,10 +445,12 @@ def train(args):
         main_process=accelerator.is_main_process,
     )
     velocity = functools.partial(task.velocity, task.policy)  # v_θ(x, σ, cond)
-    with swapped(params, ema):
-        before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
     start, extra = run.resume()
-    before, sampler_dev = extra.get("before", before), extra.get("sampler_dev", 0.0)
+    before, images_before = extra.get("before"), None  # resumed: evaluated before its checkpoint
+    if before is None:
+        with swapped(params, ema):
+            before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
+    sampler_dev = extra.get("sampler_dev", 0.0)
     updates = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
     num_prompts = len(task.prompts)
     rollouts_per_epoch = args.prompts_per_epoch * args.group_size
@@ -580,7 +582,7 @@ def train(args):
     if "accuracy" in before:  # the row of `make demo`'s table
         summary["claim"] = {"text": "Flow-GRPO (images): ODE eval accuracy goes up",
                             "before": before["accuracy"], "after": after["accuracy"]}
-    if toy and accelerator.is_main_process:
+    if toy and accelerator.is_main_process and images_before is not None:
         digits.plot_digit_grid(
             images_before, images_after, args.eval_per_prompt, path=out_dir / "samples.png")
     return run.finish(summary, [

@@ -357,9 +357,12 @@ def train(args):
         main_process=accelerator.is_main_process,
     )
     main = accelerator.is_main_process  # every rank evaluates (sharded), rank 0 logs and writes
-    first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
     start, extra = run.resume()
-    first, sampler_dev, final = extra.get("first", first), extra.get("sampler_dev", 0.0), {}
+    if "first" in extra:  # a resumed run: the start was evaluated before its checkpoint
+        first = extra["first"]
+    else:
+        first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+    sampler_dev, final = extra.get("sampler_dev", 0.0), {}
     num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
         clock = [time.perf_counter()]  # the phases' ends, logged as seconds (the benchmark's)

@@ -385,3 +385,17 @@ def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path,
     one, rank0, rank1 = drawn
     assert one[0::2] == rank0 and one[1::2] == rank1  # row r on rank r mod 2, the same draw
     assert len(set(one[:4])) > 1  # one question's 4 samples are not one sample repeated
+
+
+def test_a_resumed_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
+    """The start's evaluation (Avg@16 takes about an hour at full scale) is saved with the
+    checkpoint: resuming reads it back instead of evaluating the trained weights as the start."""
+    calls = []
+    evaluate = flowrl_tasks.evaluate
+    monkeypatch.setattr(flowrl_tasks, "evaluate", lambda *a: calls.append(1) or evaluate(*a))
+    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1"]
+    fresh = flowrl.train(toy_args(tmp_path, *flags))
+    assert len(calls) == 2  # the start and the end
+    resumed = flowrl.train(toy_args(tmp_path, *flags, "--resume"))
+    assert len(calls) == 3  # the end only
+    assert resumed["before"] == fresh["before"]

@@ -179,6 +179,8 @@ def save_training_state(path, step, modules, optimizers, generators, extra):
             flat |= {f"optim/{name}/{idx}/{k}": torch.as_tensor(v) for k, v in slots.items()}
     flat |= {f"rng/{name}": g.get_state() for name, g in generators.items()}
     flat["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():  # every visible GPU's generator, so a GPU resume is exact too
+        flat |= {f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     numpy_state = np.random.get_state()
     state = {
         "step": step, "extra": extra, "param_groups": groups, "python_rng": random.getstate(),
@@ -209,6 +211,9 @@ def load_training_state(path, modules, optimizers, generators):
     for name, generator in generators.items():
         generator.set_state(flat[f"rng/{name}"])
     torch.set_rng_state(flat["rng/torch"])
+    cuda_keys = [f"rng/cuda/{i}" for i in range(torch.cuda.device_count())]
+    if cuda_keys and all(key in flat for key in cuda_keys):
+        torch.cuda.set_rng_state_all([flat[key] for key in cuda_keys])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy_rng"]
