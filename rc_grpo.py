@@ -38,8 +38,9 @@ Deviations (numbered, on purpose):
        share one padding path. Failures for RCTP-FT are replayed from their parsed calls
        (unparseable steps are dropped).
     4. π_ref is the stage-1 model, as the paper: a frozen copy on the toy; with LoRA the stage-1
-       adapter is merged into the weights and stage 2 trains a fresh adapter, so "adapter off" is
-       the stage-1 model (one arm per LoRA run).
+       adapter stays, frozen, and stage 2 trains a second adapter on top, so the stage-1 adapter
+       alone is π_ref (one arm per LoRA run). Nothing is merged into a bf16 base in training; the
+       saved policy merges both adapters into fp32 weights.
     5. BFCL's harness semantics: an output that decodes to no call (`[]`, plain text, a failed
        parse) ends the user turn; more than `--max-steps` steps in one turn abandons the entry
        (BFCL: 20). Backend calls get a time limit and their results a length cap
@@ -315,8 +316,7 @@ def validate(args):
             ),
             (
                 not args.lora_rank or len(arms) == 1,
-                "--lora-rank trains one arm per run (stage 1 is merged into the weights before "
-                "stage 2)",
+                "--lora-rank trains one arm per run (stage 2's adapter stacks on stage 1's)",
             ),
         ],
         args,
@@ -327,11 +327,14 @@ def validate(args):
 def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, accelerator):
     """Stage 2 from the current weights: G rollouts per task, tokens i.i.d. (RC-GRPO) or fixed
     (GRPO), one group per task across tokens, clipped ratio + β·k3 KL under the rollout's own token
-    (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the merged stage-1
-    weights with the new adapter off. With N processes each rank rolls out its block of tasks with
+    (RC-GRPO stage 2). π_ref is the stage-1 model: a frozen copy, or (LoRA) the frozen stage-1
+    adapter alone, the stage-2 one off. With N processes each rank rolls out its block of tasks with
     its own noise; the gradients are averaged once per optimiser step."""
     model, tokenizer = world.model, world.tokenizer
-    reference = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
+    if args.lora_rank:  # π_ref: the stage-1 adapter alone (the stage-2 one off)
+        reference = models.AdapterSubset(model, ["default"])
+    else:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     autocast = common.training_autocast(model.device, args.mixed_precision)
@@ -524,12 +527,9 @@ def train(args):
         states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
-    # stage 1's adapter becomes the weights; stage 2 trains a fresh one, π_ref = adapter off
+    # stage 1's adapter stays, frozen; stage 2 trains a second one on top, π_ref = stage 1's alone
     if args.lora_rank:
-        from peft import get_peft_model
-
-        lora_config = world.model.peft_config["default"]
-        world.model = get_peft_model(world.model.merge_and_unload(), lora_config)
+        models.stack_adapter(world.model, "stage2")
         models.check_master_weights(world.model)
     curves = {}
     for arm in arms:
@@ -560,9 +560,9 @@ def train(args):
         )
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in run.records]
         if (args.model or args.lora_rank) and accelerator.is_main_process:
-            # stage 1 is already in the weights: merging stage 2's adapter too saves the policy
-            # that was trained, a plain causal LM (LoRA runs train one arm, so it is the last)
-            policy = world.model.merge_and_unload() if args.lora_rank else world.model
+            # both stages' adapters merged in fp32: the policy that was trained, a plain causal
+            # LM (LoRA runs train one arm, so it is the last)
+            policy = models.merged_fp32(world.model) if args.lora_rank else world.model
             policy.save_pretrained(out_dir / arm / "policy")
             world.tokenizer.save_pretrained(out_dir / arm / "policy")
     summary |= {

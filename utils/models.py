@@ -175,3 +175,43 @@ def check_master_weights(model):
             f"error: trainable weights are {', '.join(low)}; keep fp32 master weights "
             "(load in fp32 and train under autocast, or use LoRA with fp32 adapters)"
         )
+
+
+class AdapterSubset:
+    """`model` (a peft model) called with only the adapters `names` active, the others off: e.g.
+    stage 1's adapter alone, the reference inside a model that trains a second adapter on top.
+    Trainability is restored after each call (peft's set_adapter changes it)."""
+
+    def __init__(self, model, names):
+        self.model, self.names = model, names
+
+    def __call__(self, *args, **kwargs):
+        tuner = self.model.base_model
+        active, trainable = list(tuner.active_adapters), [
+            (p, p.requires_grad) for p in self.model.parameters()]
+        tuner.set_adapter(self.names)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            tuner.set_adapter(active)
+            for p, flag in trainable:
+                p.requires_grad_(flag)
+
+
+def stack_adapter(model, name):
+    """A fresh adapter `name` (the first adapter's config) trained on top of the current ones,
+    which stay active and frozen: the weights they add are kept exactly, not rounded into a bf16
+    base by a merge."""
+    config = model.peft_config["default"]
+    frozen = list(model.base_model.active_adapters)
+    model.add_adapter(name, config)
+    model.base_model.set_adapter([*frozen, name])
+    for param_name, p in model.named_parameters():
+        p.requires_grad_(f".{name}." in param_name)
+    return frozen
+
+
+def merged_fp32(model):
+    """The policy as a plain causal LM with every active adapter merged into fp32 weights (a bf16
+    base would round the adapters' small updates away): what is saved is what was trained."""
+    return model.to(torch.float32).merge_and_unload()
