@@ -127,7 +127,8 @@ class Args:
         "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
     gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
     gen_tokens: int = cli.arg(
-        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0 = rows only)")
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows "
+        "only)")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
     mixed_precision: str = cli.arg(

@@ -180,10 +180,10 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature
     """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
     `generate` runs on at most `batch_rows` prompts at a time, and at most `token_budget` padded
-    tokens (`generation_chunks`: bounded memory), with an explicit `generation_config`; the log-probs are the ones the sampler drew from (`SampledLogprobs`). A
-    completion keeps its tokens up to and including the first EOS; the EOS is scored, so the policy
-    learns to stop. Decoding uses only the kept ids (padding never reaches the text). Greedy (T =
-    0): log-probs are zeros.
+    tokens (`generation_chunks`: bounded memory), with an explicit `generation_config`; the
+    log-probs are the ones the sampler drew from (`SampledLogprobs`). A completion keeps its tokens
+    up to and including the first EOS; the EOS is scored, so the policy learns to stop. Decoding
+    uses only the kept ids (padding never reaches the text). Greedy (T = 0): log-probs are zeros.
     """
     from transformers import LogitsProcessorList
 

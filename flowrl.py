@@ -160,7 +160,8 @@ class Args:
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
 # for the policy and log Z, weight decay 0.1, 10 warm-up rollout batches, group-normalised r̂,
-# temperature 1 for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch (DEVIATION 7).
+# temperature 1 for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch
+# (DEVIATION 7).
 PRESETS = {
     "full": dict(
         task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=32,
@@ -294,9 +295,9 @@ def make_optimizer(model, head, args):
 
 def warm_up(optimizer, step, args):
     """Linear warm-up counted in rollout batches, as the original's scheduler (stepped once per
-    rollout batch): lr = base_lr·min(1, (s − 1)/K) for rollout batch s = 1, 2, …, K = --warmup-steps,
-    so every optimiser step of the first batch runs at lr 0 (computed from s alone, so a resumed run
-    continues it)."""
+    rollout batch): lr = base_lr·min(1, (s − 1)/K) for rollout batch s = 1, 2, …, with
+    K = --warmup-steps, so every optimiser step of the first batch runs at lr 0 (computed from s
+    alone, so a resumed run continues it)."""
     factor = 1.0
     if args.warmup_steps > 0:
         factor = min(1.0, (step - 1) / args.warmup_steps)

@@ -135,7 +135,8 @@ class Args:
         4096, "padded tokens per forward pass; gradients accumulate over micro-batches")
     gen_batch: int = cli.arg(64, "rollouts per `generate` call")
     gen_tokens: int = cli.arg(
-        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0 = rows only)")
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows "
+        "only)")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (bfcl preset: on)")
     mixed_precision: str = cli.arg(

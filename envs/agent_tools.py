@@ -106,7 +106,7 @@ class ToolSystem:
 
     def frozen(self, prompts, module, temperature=None):
         """The frozen modules: base weights (adapter off), sampled at `frozen_temperature` unless
-        `temperature` is given, each module at most its own MODULE_TOKENS (and the planner's cap)."""
+        `temperature` is given, each `module` at most its MODULE_TOKENS (and the planner's cap)."""
         if temperature is None:
             temperature = self.frozen_temperature
         max_new_tokens = min(MODULE_TOKENS[module], self.max_new_tokens)

@@ -107,7 +107,8 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
     numbers of mini-batches: the count agreed by one all-reduce and one all-reduce per optimiser
     step keep them in step."""
     flags = ["agentflow", "--steps", "2", "--queries-per-step", "2", "--group-size", "4",
-             "--micro-batch-tokens", "100", "--minibatch-rows", "6", "--warm-start-steps", "20", "--no-ablation",
+             "--micro-batch-tokens", "100", "--minibatch-rows", "6", "--warm-start-steps", "20",
+             "--no-ablation",
              "--eval-every", "100", "--save-every", "0"]
     rank0, rank1 = train_and_load(tmp_path, "uneven", 2, flags)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"

@@ -463,8 +463,8 @@ def test_results_json_cannot_encode_are_written_as_the_official_harness_does():
 
 
 def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tmp_path):
-    """A bf16 base (as on a GPU) with fp32 LoRA adapters: stage 2 starts from exactly the model stage
-    1 trained (its adapter stays, frozen; a second one trains on top), and the saved fp32 policy,
+    """A bf16 base (as on a GPU) with fp32 LoRA adapters: stage 2 starts from exactly the model
+    stage 1 trained (its adapter stays, frozen; a second one trains on top), and the saved fp32 policy,
     reloaded, scores a fixed set of sequences as the trained one does. Merging stage 1's adapter
     into the bf16 base instead moves the scores by more than these tolerances (measured beside)."""
     import copy
