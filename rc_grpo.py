@@ -158,7 +158,7 @@ class Args:
         "bfcl", "BFCL's system prompt: bfcl = bfcl-eval's own, verbatim; short = a paraphrase that "
         "fits a laptop model's context", ["bfcl", "short"])
     resume: bool = cli.arg(
-        False, "continue each GRPO arm from its checkpoint (stage 1 is recomputed: deterministic)")
+        False, "continue each GRPO arm from its checkpoint, after stage 1 from its saved file")
     overwrite: bool = cli.arg(
         False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
         "run is refused)")
@@ -483,6 +483,54 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     return result, run
 
 
+def stage_one(world, base_data, arms, args, path):
+    """Stage 1 (rank 0): the toy's base model first, then SFT and/or RCTP-FT as the arms need, each
+    evaluated; saved atomically to `path`: each trained model's weights (with LoRA: its adapter),
+    the accuracies and the rollouts shown, in one file every rank loads."""
+    if base_data is not None:  # the toy's base: a careless agent's trajectories on generic tasks
+        supervised_finetune(
+            world, [[s] for s in base_data], epochs=8, lr=3e-3, batch=32, seed=args.seed,
+            token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
+    trained = lambda: {  # a copy of the trained weights as they are now
+        k: v.detach().clone() for k, v in world.model.named_parameters() if v.requires_grad}
+    base = trained()
+    summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
+    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, args)]
+    tensors, needed = {}, {a.split("+")[0] for a in arms}
+    if "sft" in needed:  # the baseline: expert trajectories only, no token
+        expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
+                               for e in world.train if e.get("demonstrated", True)], args)
+        supervised_finetune(
+            world, expert, epochs=args.sft_epochs, lr=args.sft_lr, batch=args.sft_batch,
+            seed=args.seed, token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
+        tensors |= {f"sft/{k}": v for k, v in trained().items()}
+        summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
+    if "rctp" in needed:
+        world.model.load_state_dict(base, strict=False)
+        samples, n_failures = build_rctp_data(world, world.train, args)
+        supervised_finetune(
+            world, stage1_units(samples, args), epochs=args.rctp_epochs, lr=args.sft_lr,
+            batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
+            precision=args.mixed_precision)
+        tensors |= {f"rctp/{k}": v for k, v in trained().items()}
+        high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
+        summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
+    tracking.save_checkpoint(path, tensors, {"summary": summary, "shown": shown})
+
+
+def load_stage_one(world, path, args):
+    """({init: its trained weights}, the stage-1 summary, the rollouts shown) from `path`; the
+    model holds the last stage-1 model's weights (with LoRA, one arm: the one it trains)."""
+    flat, state = tracking.load_checkpoint(path)
+    states = collections.defaultdict(dict)
+    for key, value in flat.items():
+        init, name = key.split("/", 1)
+        states[init][name] = value.to(world.model.device)
+    for weights in states.values():
+        world.model.load_state_dict(weights, strict=False)
+    return dict(states), state["summary"], state["shown"]
+
+
 def train(args):
     """Base → {SFT, RCTP-FT} (stage 1) → {GRPO, RC-GRPO} (stage 2) for each arm of Table 1; held-out
     accuracy."""
@@ -492,42 +540,24 @@ def train(args):
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
     tracking.check_out_dir(args.out_dir, args, accelerator)
     if args.model:
-        world = bfcl.build_bfcl(args, device)
-    else:  # the toy's base model: a careless agent's trajectories on generic tasks
+        world, base_data = bfcl.build_bfcl(args, device), None
+    else:  # the toy's base model: trained in stage_one on a careless agent's trajectories
         world, base_data = bfcl_toy.build_toy(args, device, REWARD_TOKENS)
-        supervised_finetune(
-            world, [[s] for s in base_data], epochs=8, lr=3e-3, batch=32, seed=args.seed,
-            token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
     world.train, world.test = (bfcl.select_entries(e, args) for e in (world.train, world.test))
     cli.check_args(
         [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
     out_dir = Path(args.out_dir)
-    # Stage 1 and evaluations run the same on every rank (same seed, same data); stage 2 splits its
-    # groups.
-    states = {} if args.lora_rank else {"base": copy.deepcopy(world.model.state_dict())}
     rare_test = [e for e in world.test if e.get("rare")]
-    summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
-    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, args)]
-    needed = {a.split("+")[0] for a in arms}
-    if "sft" in needed:  # the baseline: expert trajectories only, no token
-        expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
-                                    for e in world.train if e.get("demonstrated", True)], args)
-        supervised_finetune(
-            world, expert, epochs=args.sft_epochs, lr=args.sft_lr, batch=args.sft_batch,
-            seed=args.seed, token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
-        states["sft"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
-        summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
-    if "rctp" in needed:
-        if "base" in states:
-            world.model.load_state_dict(states["base"])
-        samples, n_failures = build_rctp_data(world, world.train, args)
-        supervised_finetune(
-            world, stage1_units(samples, args), epochs=args.rctp_epochs, lr=args.sft_lr,
-            batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
-            precision=args.mixed_precision)
-        states["rctp"] = None if args.lora_rank else copy.deepcopy(world.model.state_dict())
-        high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
-        summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
+    # Stage 1 runs once, on rank 0, into out_dir/stage1.safetensors (atomic); every rank loads that
+    # file, so all start stage 2 from the same weights, and --resume skips stage 1. The other ranks
+    # wait for the file, not in a collective (stage 1 at full scale outlasts any timeout).
+    stage1_file = out_dir / "stage1.safetensors"
+    if not (args.resume and stage1_file.exists()):
+        if accelerator.is_main_process:
+            stage_one(world, base_data, arms, args, stage1_file)
+        while not stage1_file.exists():
+            time.sleep(2)
+    states, summary, shown = load_stage_one(world, stage1_file, args)
     # stage 1's adapter stays, frozen; stage 2 trains a second one on top, π_ref = stage 1's alone
     if args.lora_rank:
         models.stack_adapter(world.model, "stage2")
@@ -535,8 +565,7 @@ def train(args):
     curves = {}
     for arm in arms:
         init, algo = arm.split("+")
-        if states.get(init) is not None:
-            world.model.load_state_dict(states[init])
+        world.model.load_state_dict(states[init], strict=False)
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
         result, run = grpo_arm(

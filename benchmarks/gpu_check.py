@@ -60,13 +60,15 @@ def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budg
     frozen reference (a full fine-tune's copy; under LoRA the adapter is switched off), the KV
     cache of `generate`, and one micro-batch of `token_budget` tokens: its saved activations
     (per layer only its input under checkpointing) and its completion logits (bf16, their fp32
-    copy for logsumexp, and that copy's gradient)."""
+    copy for logsumexp, and that copy's gradient: 18 bytes per element, as measured)."""
     h, layers, inter, vocab = (config[k] for k in (
         "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
     per_layer = 4 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter
     params = layers * per_layer + vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    trained = 2 * lora_rank * layers * (7 * h + 3 * inter) if lora_rank else params
+    # LoRA on every linear layer: r·(in + out) each, q/o h→h, k/v h→kv·d, gate/up h→I, down I→h
+    trained = lora_rank * layers * (9 * h + 2 * kv_heads * head_dim + 3 * inter) if lora_rank \
+        else params
     seq = prompt_len + new_tokens
     micro_rows = max(1, token_budget // seq)
     layer_act = (12 * h + 4 * inter) * 2  # bytes per token of one layer's saved activations (bf16)
@@ -75,7 +77,7 @@ def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budg
     gib = {"weights": params * (2 if lora_rank else 4), "grads_and_adam": trained * 12,
            "reference": 0 if lora_rank else params * 4,  # the preset's frozen fp32 copy
            "kv_cache": rows * seq * layers * 2 * kv_heads * head_dim * 2,
-           "activations": activations, "logits": micro_rows * (new_tokens + 1) * vocab * 10}
+           "activations": activations, "logits": micro_rows * (new_tokens + 1) * vocab * 18}
     gib = {k: round(v / 2**30, 2) for k, v in gib.items()}
     return gib | {"total": round(sum(gib.values()), 2)}
 

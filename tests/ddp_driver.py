@@ -41,6 +41,11 @@ if __name__ == "__main__":
     torch.optim.AdamW = RecordingAdamW
     script, prefix = sys.argv[1], sys.argv[2]
     module = importlib.import_module(script)
+    calls = []
+    if os.environ.get("COUNT_CALLS"):  # how often this rank runs one of the script's functions
+        counted = getattr(module, os.environ["COUNT_CALLS"])
+        setattr(module, os.environ["COUNT_CALLS"],
+                lambda *a, **k: calls.append(1) or counted(*a, **k))
     if os.environ.get("SLOW_EVAL_SECONDS"):
         from envs import flowrl_tasks
 
@@ -50,3 +55,4 @@ if __name__ == "__main__":
         p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]
     ]
     torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
+    Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.calls").write_text(str(len(calls)))

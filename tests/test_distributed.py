@@ -131,14 +131,18 @@ def test_an_evaluation_with_fewer_queries_than_ranks_finishes(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
 
 
-def test_uneven_rc_grpo_ranks_finish_and_agree(tmp_path):
+def test_uneven_rc_grpo_ranks_finish_and_agree_after_one_stage_1(tmp_path):
     """RC-GRPO's dialogues differ in length per rank: with a small token budget the ranks run
-    different numbers of micro-batches and still end with the same weights."""
+    different numbers of micro-batches and still end with the same weights. Stage 1 runs once, on
+    rank 0 (rank 1 runs no supervised fine-tuning at all), and both ranks load its file."""
     flags = ["rc_grpo", "--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60",
              "--toy-test-tasks", "4", "--tasks-per-step", "4", "--failure-rollouts", "1",
              "--micro-batch-tokens", "60", "--save-every", "0"]
-    rank0, rank1 = train_and_load(tmp_path, "uneven-rc", 2, flags)
+    rank0, rank1 = train_and_load(tmp_path, "uneven-rc", 2, flags,
+                                  {"COUNT_CALLS": "supervised_finetune"})
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
+    calls = [int((tmp_path / f"uneven-rc.rank{r}.calls").read_text()) for r in range(2)]
+    assert calls[0] == 2 and calls[1] == 0  # the toy's base model and RCTP-FT, on rank 0 only
 
 
 def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):

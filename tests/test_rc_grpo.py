@@ -464,9 +464,10 @@ def test_results_json_cannot_encode_are_written_as_the_official_harness_does():
 
 def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tmp_path):
     """A bf16 base (as on a GPU) with fp32 LoRA adapters: stage 2 starts from exactly the model
-    stage 1 trained (its adapter stays, frozen; a second one trains on top), and the saved fp32 policy,
-    reloaded, scores a fixed set of sequences as the trained one does. Merging stage 1's adapter
-    into the bf16 base instead moves the scores by more than these tolerances (measured beside)."""
+    stage 1 trained (its adapter stays, frozen; a second one trains on top), and the saved fp32
+    policy, reloaded, scores a fixed set of sequences as the trained one does. Merging stage 1's
+    adapter into the bf16 base instead moves the scores by more than these tolerances (measured
+    beside)."""
     import copy
 
     words = json.dumps(bfcl.load_bfcl_entries(["base"])[0]).split()[:2000]
@@ -517,3 +518,20 @@ def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tm
     assert (reloaded - seen["trained"]).abs().max() <= 1e-5  # measured: 1e-6 (the issue: 1e-3)
     # the tolerances above tell the two apart: a bf16 merge of stage 1 moves the scores by 1.2e-4
     assert (seen["bf16_merge"] - seen["stage_1"]).abs().max() > 2e-5
+
+
+def test_resume_after_stage_1_does_not_run_it_again(tmp_path, monkeypatch):
+    """Stage 1 is saved (out_dir/stage1.safetensors): a resumed run loads it and runs no
+    supervised fine-tuning, and ends with the stage-1 accuracies of the first run."""
+    flags = ["--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60", "--toy-test-tasks",
+             "4", "--tasks-per-step", "4", "--failure-rollouts", "1", "--save-every", "1",
+             "--quiet", "--out-dir", str(tmp_path)]
+    first = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, flags))
+    calls = []
+    finetune = rc_grpo.supervised_finetune
+    monkeypatch.setattr(rc_grpo, "supervised_finetune",
+                        lambda *a, **k: calls.append(1) or finetune(*a, **k))
+    resumed = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [*flags, "--resume"]))
+    assert calls == []
+    assert resumed["rctp_accuracy"] == first["rctp_accuracy"]
+    assert resumed["token_gap"] == first["token_gap"]

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def metrics(folder):
     folder = folder / "rctp+rc-grpo" if (folder / "rctp+rc-grpo").exists() else folder
     return [
-        {k: v for k, v in json.loads(line).items() if k not in ("sec", "restored")}
+        {k: v for k, v in json.loads(line).items()
+         if k not in ("sec", "restored") and not k.startswith("time_")}  # wall-clock seconds
         for line in (folder / "metrics.jsonl").read_text().splitlines()
     ]
 

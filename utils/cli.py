@@ -70,7 +70,8 @@ COUNTS = (  # at least 1
     "train_steps", "eval_steps", "max_turns", "eval_max_turns", "sft_batch", "failure_rollouts",
     "max_steps", "max_prompt_tokens", "timeout", "spread_samples", "warm_start_demos",
     "toy_tasks", "toy_test_tasks", "minibatch_rows", "gen_tokens")
-OPTIONAL_COUNTS = ("max_turns", "micro_batch", "minibatch_rows", "gen_tokens")  # where 0 means "all"
+OPTIONAL_COUNTS = (  # where 0 means "all"
+    "max_turns", "micro_batch", "minibatch_rows", "gen_tokens")
 FRACTIONS = ("careless", "rare_share", "p_high", "timestep_fraction", "label_noise")  # in [0, 1]
 POSITIVE = ("lr", "logz_lr", "sft_lr", "warm_start_lr", "clip_eps", "clip_eps_high",
             "clip_range", "adv_clip", "tool_timeout")

@@ -49,8 +49,9 @@ def sampling_seed(seed, step, stream):
 
 def average_gradients(params, accelerator):
     """g ← mean over ranks of each rank's accumulated g: what DDP's all-reduce computes, as one
-    collective per parameter per optimiser step (a rank without a gradient adds zeros), so ranks may run different numbers of
-    micro-batches (their rollouts differ in length) without a hang. A no-op in one process."""
+    collective per parameter per optimiser step (a rank without a gradient adds zeros), so ranks
+    may run different numbers of micro-batches (their rollouts differ in length) without a hang. A
+    no-op in one process."""
     if accelerator.num_processes == 1:
         return
     import torch.distributed as dist

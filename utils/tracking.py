@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint.safetensors")  # a run is in the folder
+RUN_FILES = (  # a run is in the folder
+    "metrics.jsonl", "summary.json", "checkpoint.safetensors", "stage1.safetensors")
 
 
 def write_atomically(path, text):
@@ -259,6 +260,7 @@ def check_out_dir(out_dir, args, accelerator):
     if args.overwrite and accelerator.is_main_process:
         for path in files:
             path.unlink(missing_ok=True)
+    accelerator.wait_for_everyone()  # no rank sees a file of the replaced run after this
 
 
 def unreadable_checkpoint_exits(path, load):
