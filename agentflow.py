@@ -96,9 +96,10 @@ class Args:
     max_turns: int = cli.arg(3, "planner turns per rollout in training (paper: 3)")
     eval_max_turns: int = cli.arg(10, "planner turns at evaluation (paper: 10)")
     max_new_tokens: int = cli.arg(4, "planner output cap per turn")
-    temperature: float = cli.arg(1.0, "rollout temperature (paper: 0.7); eval is greedy")
-    clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (paper: 0.2)")
-    clip_eps_high: float = cli.arg(0.3, "ε_high (paper: 0.3)")
+    temperature: float = cli.arg(
+        1.0, "rollout temperature (original code: 0.7; the paper's text: 0.5); eval is greedy")
+    clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (original code: 0.2)")
+    clip_eps_high: float = cli.arg(0.3, "ε_high (original code: 0.3)")
     dual_clip: float = cli.arg(0.0, "cap the loss at c·|A| where A < 0 (0 = off; original: 3)")
     beta: float = cli.arg(0.001, "β of the k3 KL to the reference (paper: 0.001)")
     lr: float = cli.arg(1e-3, "planner learning rate (paper: 1e-6)")

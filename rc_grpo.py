@@ -285,14 +285,19 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
 # ---------------------------------------------------------------------------------------- rollouts
 
 
-def evaluate(world, entries, token, args, temperature=0.0):
-    """Rollouts under `token` (greedy by default) → (accuracy as the paper reports it, the mean of
-    R = R_state·R_action; accuracy by the official checker's semantics, bfcl_check)."""
+def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
+    """Rollouts under `token` (greedy by default) → (accuracy taken as the mean of R =
+    R_state·R_action; accuracy by the official checker's semantics, bfcl_check). With an
+    `accelerator`, sharded: each rank rolls out every N-th entry and the scores are gathered."""
     if not entries:
         return float("nan"), float("nan")
-    runs = bfcl.run_rollouts(world, entries, [reward_goal(token)] * len(entries), temperature, args)
-    checked = [bfcl.bfcl_check(r["entry"], r["calls_per_turn"]) for r in runs]
-    return sum(r["reward"] for r in runs) / len(runs), sum(checked) / len(runs)
+    rank, ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    mine = entries[rank::ranks]  # empty on a rank past the last entry
+    runs = bfcl.run_rollouts(world, mine, [reward_goal(token)] * len(mine), temperature, args)
+    scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in runs]
+    scores = gather_object(scores) if ranks > 1 else scores
+    rewards, checked = zip(*scores)
+    return sum(rewards) / len(scores), sum(checked) / len(scores)
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -572,14 +577,17 @@ def train(args):
             args, world, arm, use_tokens=use_tokens, reward_conditioned=algo == "rc-grpo",
             out_dir=out_dir, accelerator=accelerator)
         token = HIGH if use_tokens else None
-        result["accuracy"], result["bfcl_accuracy"] = evaluate(world, world.test, token, args)
+        shard = dict(accelerator=accelerator)  # every rank evaluates its share
+        result["accuracy"], result["bfcl_accuracy"] = evaluate(
+            world, world.test, token, args, **shard)
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
-            result["rare_accuracy"] = evaluate(world, rare_test, token, args)[0]
-            sampled = evaluate(world, world.test, token, args, temperature=1.0)
+            result["rare_accuracy"] = evaluate(world, rare_test, token, args, **shard)[0]
+            sampled = evaluate(world, world.test, token, args, temperature=1.0, **shard)
             result["sampled_accuracy"] = sampled[0]
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
-            result["accuracy_under_low_token"] = evaluate(world, world.test, LOW, args)[0]
+            low = evaluate(world, world.test, LOW, args, **shard)
+            result["accuracy_under_low_token"] = low[0]
         shown.append(
             f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), args))
         summary[arm] = run.finish(

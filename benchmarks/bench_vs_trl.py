@@ -8,9 +8,10 @@ Ours is `flowrl.train` itself (`--preset smollm2-addition --algo grpo`: 4 one-di
 × G 8 through the chat template, 12 new tokens, one optimiser step per batch, so π_old is the
 update's own log-probs), timed by the per-phase seconds it logs in metrics.jsonl: rollout (the
 sampler with per-row seeds and log-probs), prepare (rewards, packing, advantages), update (forward,
-backward, AdamW). The first step is a warm-up and is not timed. TRL gets the same model, tokenizer,
-four prompts, G, completion length, reward, learning rate and β = 0; its split comes from its own
-profiling contexts. The floor is `generate` alone plus one forward and backward and one AdamW step
+backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the
+kernels settle over more than one step: measured, an update of 20.6, 14.0, then 10.2 s). TRL gets
+the same model, tokenizer, four prompts, G, completion length, reward, learning rate and β = 0; its
+split comes from its own profiling contexts. The floor is `generate` alone plus one forward and backward and one AdamW step
 alone on the same batch: what any GRPO step must spend.
 
 Model: the real SmolLM2-135M-Instruct (bundled), or any HF folder whose vocabulary covers the
@@ -33,14 +34,15 @@ from envs import flowrl_tasks  # noqa: E402
 from utils import cli, models  # noqa: E402
 
 LR = 1e-5
+WARMUP = 2  # untimed steps first, on every side
 
 
-def case(model="smollm2", steps=3):
-    """The preset's args (TIMED steps after one warm-up), and its task: prompts and reward."""
+def case(model="smollm2", steps=4):
+    """The preset's args (`steps` timed steps after WARMUP), and its task: prompts and reward."""
     out_dir = tempfile.mkdtemp(prefix="bench_vs_trl_")
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
         "--preset", "smollm2-addition", "--algo", "grpo", "--model", model, "--lr", str(LR),
-        "--steps", str(steps + 1), "--eval-every", "1000", "--save-every", "0", "--device", "cpu",
+        "--steps", str(steps + WARMUP), "--eval-every", "1000", "--save-every", "0", "--device", "cpu",
         "--quiet", "--out-dir", out_dir])
     tokenizer, model, task = flowrl_tasks.build_laptop(args, torch.device("cpu"))
     prompts = task.prompts[: args.prompts_per_step]
@@ -53,7 +55,7 @@ def ours(bench):
     args = bench["args"]
     flowrl.train(args)
     lines = (Path(args.out_dir) / "metrics.jsonl").read_text().splitlines()
-    timed = [json.loads(line) for line in lines][1:]  # step 1 is the warm-up
+    timed = [json.loads(line) for line in lines][WARMUP:]
     phases = {"generation": "time_rollout", "scoring": "time_prepare", "update": "time_update"}
     return {name: sum(r[key] for r in timed) / len(timed) for name, key in phases.items()}
 
@@ -69,7 +71,7 @@ def floor(bench):
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     times = defaultdict(float)
-    for step in range(bench["steps"] + 1):
+    for step in range(bench["steps"] + WARMUP):
         model.eval()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -84,7 +86,7 @@ def floor(bench):
         optimizer.step()
         optimizer.zero_grad()
         t3 = time.perf_counter()
-        if step:  # step 0 is the warm-up
+        if step >= WARMUP:
             times["generate"] += (t1 - t0) / bench["steps"]
             times["forward_backward_adamw"] += (t3 - t2) / bench["steps"]
     return dict(times)
@@ -120,18 +122,18 @@ def trl(bench):
         config = GRPOConfig(
             output_dir=out, per_device_train_batch_size=len(bench["prompts"]) * args.group_size,
             num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-            max_steps=steps + 1, learning_rate=LR, beta=0.0, temperature=1.0, num_iterations=1,
+            max_steps=steps + WARMUP, learning_rate=LR, beta=0.0, temperature=1.0, num_iterations=1,
             gradient_accumulation_steps=1, logging_steps=1000, save_strategy="no", report_to=[],
             use_cpu=True, bf16=False, seed=0)
         trainer = GRPOTrainer(
             model=model, reward_funcs=reward, args=config,
-            train_dataset=Dataset.from_dict({"prompt": bench["prompts"] * (steps + 1)}),
+            train_dataset=Dataset.from_dict({"prompt": bench["prompts"] * (steps + WARMUP)}),
             processing_class=bench["tokenizer"], callbacks=[Clock()])
         trainer.train()
-    step = sum(b - a for a, b in zip(stamps, stamps[1:])) / steps  # after the warm-up step
+    step = (stamps[-1] - stamps[WARMUP - 1]) / steps
     if "transformers.generate" not in phases:
         return {"step": step}
-    mean = lambda name: sum(phases[name][1 : steps + 1]) / steps
+    mean = lambda name: sum(phases[name][WARMUP:]) / steps
     generation = mean("transformers.generate")
     scoring = mean("_prepare_inputs") - generation
     return {"generation": generation, "scoring": scoring, "update": step - generation - scoring}

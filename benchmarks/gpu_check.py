@@ -4,12 +4,18 @@
                                            # LoRA, SD3.5-Medium transformer + LoRA (no downloads)
     python benchmarks/gpu_check.py --tiny  # the same code on CPU, tiny configs (a smoke test)
 
-Models are built from their published configs with random weights, so nothing is fetched. MFU is
-6·params·trained-tokens / time / peak bf16 FLOP/s for the update (2·params·tokens for generation), a
-rough figure: attention FLOPs are left out.
+Models are built on the device from their published configs with random weights, so nothing is
+fetched. Each job runs one small warm-up iteration untimed (CUDA initialisation, kernel selection),
+then its step: the sampler with per-row seeds and log-probs, the π_ref forward the presets run, the
+loss, backward and AdamW. The update's MFU counts 6·N FLOPs per trained token for a full fine-tune
+and 4·N under LoRA (a frozen base computes no weight gradients), over peak bf16 FLOP/s; attention
+FLOPs are left out. Decoding is reported as achieved memory bandwidth (the weights read once per new
+token), the figure that bounds it.
 """
 
 import argparse
+import copy
+import gc
 import json
 import sys
 import time
@@ -88,64 +94,89 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     bf16 autocast, generate G completions per prompt, then micro-batches of at most `token_budget`
     tokens (the preset's), activation checkpointing as the preset sets it, the clipped loss on the
     completion only, one AdamW step. Prints the planned peak first."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config
 
     n = prompts * group_size
     plan = planned_peak_gib(config, lora_rank, n, prompt_len, new_tokens, token_budget,
                             checkpointing)
     print(json.dumps({"preset": name, "planned_peak_gib": plan}), flush=True)
     base_dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=base_dtype).to(device)
+    with device:  # random init on the device, not on the CPU
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=base_dtype)
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
+    # π_ref as the presets hold it: a frozen copy for a full fine-tune, the adapter off under LoRA
+    reference = None if lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     if lora_rank:
         model = models.add_lora(model, lora_rank)
     models.check_master_weights(model)
     autocast = common.training_autocast(device)
     params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    config_kwargs = dict(do_sample=True, top_k=0, top_p=1.0, pad_token_id=0)
+
+    def step(ids, new):
+        """The preset's step on prompts `ids`: sample `new` tokens per row (per-row seeds, the
+        sampler's log-probs), then π_ref and the loss per micro-batch, backward, one AdamW step.
+        Returns (generation seconds, update seconds, completed sequences)."""
+        rows = len(ids)
+        sampler = common.SampledLogprobs(1.0, row_seeds=list(range(rows)))
+        sync(device)
+        start = time.time()
+        with torch.no_grad(), autocast:
+            seq = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                min_new_tokens=new, logits_processor=LogitsProcessorList([sampler]),
+                **config_kwargs)
+        sync(device)
+        gen_s = time.time() - start
+        advantages = common.group_advantages(torch.rand(rows), 2).to(device)
+        rows_per_mb = max(1, token_budget // seq.shape[1])
+        model.train()
+        start = time.time()
+        for lo in range(0, rows, rows_per_mb):
+            chunk = seq[lo : lo + rows_per_mb]
+            attn = torch.ones_like(chunk)
+            mask = torch.ones(len(chunk), new, device=device)
+            with torch.no_grad(), autocast:
+                common.reference_logprobs(model, reference, chunk, attn, new)
+            with autocast:
+                logp = common.completion_logprobs(model, chunk, attn, new)
+            loss, _ = flowrl.grpo_loss(
+                logp, logp.detach(), advantages[lo : lo + rows_per_mb], mask, 0.2, rows * new)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync(device)
+        return gen_s, time.time() - start, seq
+
+    step(torch.randint(config["vocab_size"], (2, 8), device=device), 2)  # the warm-up, untimed
     ids = torch.randint(config["vocab_size"], (n, prompt_len), device=device)
-    sync(device)
-    start = time.time()
-    with torch.no_grad(), autocast:
-        seq = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    sync(device)
-    gen_s = time.time() - start
-    advantages = common.group_advantages(torch.rand(n), group_size).to(device)
-    rows_per_mb = max(1, token_budget // seq.shape[1])
-    model.train()
-    start = time.time()
-    for lo in range(0, n, rows_per_mb):
-        chunk = seq[lo : lo + rows_per_mb]
-        mask = torch.ones(len(chunk), new_tokens, device=device)
-        with autocast:
-            logp = common.completion_logprobs(model, chunk, torch.ones_like(chunk), new_tokens)
-        loss, _ = flowrl.grpo_loss(
-            logp, logp.detach(), advantages[lo : lo + rows_per_mb], mask, 0.2, n * new_tokens)
-        loss.backward()
-    optimizer.step()
-    sync(device)
-    train_s = time.time() - start
+    gen_s, train_s, seq = step(ids, new_tokens)
     gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
-    flops = peak_flops(device)
+    flops, per_token = peak_flops(device), 4 if lora_rank else 6
     return {
-        "preset": name, "params": params, "samples": n, "micro_batch_rows": rows_per_mb,
-        "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
-        "train_tokens_per_s": round(train_tokens / train_s, 1),
-        "gen_mfu": round(2 * params * gen_tokens / gen_s / flops, 4) if flops else None,
-        "train_mfu": round(6 * params * train_tokens / train_s / flops, 4) if flops else None}
+        "preset": name, "params": params, "samples": n, "planned_peak_gib": plan["total"],
+        "rollout_s": round(gen_s, 2), "update_s": round(train_s, 2),
+        "rollout_tokens_per_s": round(gen_tokens / gen_s, 1),
+        "update_tokens_per_s": round(train_tokens / train_s, 1),
+        "decode_gb_per_s": round(new_tokens * weight_bytes / gen_s / 1e9, 1),
+        "update_mfu": round(per_token * params * train_tokens / train_s / flops, 4) if flops
+        else None}
 
 
 def sd3_step(config, lora_rank, images, steps, resolution, device):
     """Flow-GRPO step in the sd3 preset's precision (bf16 weights and autocast on a GPU that has it,
-    fp32 LoRA): SDE rollout with CFG, then step_loss over the trained steps."""
+    fp32 LoRA), with its gradient checkpointing and β = 0.01 (the reference: the adapter off): SDE
+    rollout with CFG, then step_loss over the trained steps; one small warm-up first, untimed."""
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
     dtype = sd3.weight_dtype("auto", device)
-    transformer = SD3Transformer2DModel(**config).to(device, dtype).requires_grad_(False)
+    with device:  # random init on the device
+        transformer = SD3Transformer2DModel(**config).to(dtype).requires_grad_(False)
+    transformer.enable_gradient_checkpointing()  # as the sd3 preset
     transformer.add_adapter(
         LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
@@ -157,7 +188,8 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     params = sum(p.numel() for p in transformer.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=3e-4)
     side = resolution // 8 if config["in_channels"] == 16 else resolution
-    embeds = torch.randn(images, 333, config["joint_attention_dim"], device=device, dtype=dtype)
+    # 77 CLIP + 128 T5 text tokens, as the sd3 preset encodes them
+    embeds = torch.randn(images, 205, config["joint_attention_dim"], device=device, dtype=dtype)
     pooled = torch.randn(images, config["pooled_projection_dim"], device=device, dtype=dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -168,29 +200,49 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
                 encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False
             )[0].float()
 
+    def reference(x, sigma, cond):  # the adapter off, as the sd3 preset's reference
+        transformer.disable_adapters()
+        try:
+            return velocity(x, sigma, cond)
+        finally:
+            transformer.enable_adapters()
+
     sigmas = flow_grpo.schedule(steps, 3.0, device)
-    noise = torch.randn(images, config["in_channels"], side, side, device=device)
-    cond, empty = (embeds, pooled), (embeds * 0, pooled * 0)
-    sync(device)
-    start = time.time()
-    latents, old_logp = flow_grpo.rollout(velocity, noise, sigmas, cond, empty, 4.5, 0.7)
-    sync(device)
-    rollout_s = time.time() - start
-    advantages = torch.randn(images, device=device)
-    loss_args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.0)
-    start = time.time()
-    for j in range(steps - 1):
-        v = flow_grpo.guided_velocity(velocity, latents[j], sigmas[j], cond, empty, 4.5)
-        loss, _, _ = flow_grpo.step_loss(
-            v, None, latents[j], latents[j + 1], sigma=sigmas[j], sigma_next=sigmas[j + 1],
-            old_logp=old_logp[j], advantages=advantages, args=loss_args)
-        (loss / (steps - 1)).backward()
-    optimizer.step()
-    sync(device)
+    loss_args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.01)
+
+    def step(rows, trained_steps):
+        """Rollout of `rows` images, then the loss over `trained_steps` steps; (seconds, seconds)."""
+        noise = torch.randn(rows, config["in_channels"], side, side, device=device)
+        cond, empty = (embeds[:rows], pooled[:rows]), (embeds[:rows] * 0, pooled[:rows] * 0)
+        sync(device)
+        start = time.time()
+        latents, old_logp = flow_grpo.rollout(velocity, noise, sigmas, cond, empty, 4.5, 0.7)
+        sync(device)
+        rollout_s = time.time() - start
+        advantages = torch.randn(rows, device=device)
+        start = time.time()
+        for j in range(trained_steps):
+            x, x_next = latents[j], latents[j + 1]
+            v = flow_grpo.guided_velocity(velocity, x, sigmas[j], cond, empty, 4.5)
+            with torch.no_grad():
+                v_ref = flow_grpo.guided_velocity(reference, x, sigmas[j], cond, empty, 4.5)
+            loss, _, _ = flow_grpo.step_loss(
+                v, v_ref, x, x_next, sigma=sigmas[j], sigma_next=sigmas[j + 1],
+                old_logp=old_logp[j], advantages=advantages, args=loss_args)
+            (loss / trained_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync(device)
+        return rollout_s, time.time() - start
+
+    step(1, 1)  # the warm-up, untimed
+    rollout_s, update_s = step(images, steps - 1)
     return {
         "preset": "sd3.5-medium+lora", "params": params, "images": images, "resolution": resolution,
-        "precision": str(dtype), "rollout_images_per_s": round(images / rollout_s, 3),
-        "update_images_per_s": round(images / (time.time() - start), 3)}
+        "precision": str(dtype), "rollout_s": round(rollout_s, 2), "update_s": round(update_s, 2),
+        "rollout_images_per_s": round(images / rollout_s, 3),
+        "update_images_per_s": round(images / update_s, 3)}
+
 
 
 def real_llm_jobs():
@@ -248,6 +300,8 @@ def main():
             else None
         )
         print(json.dumps(result), flush=True)
+        del result
+        gc.collect()  # the job's model is in reference cycles: free it before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
