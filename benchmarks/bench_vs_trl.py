@@ -11,8 +11,8 @@ sampler with per-row seeds and log-probs), prepare (rewards, packing, advantages
 backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the
 kernels settle over more than one step: measured, an update of 20.6, 14.0, then 10.2 s). TRL gets
 the same model, tokenizer, four prompts, G, completion length, reward, learning rate and β = 0; its
-split comes from its own profiling contexts. The floor is `generate` alone plus one forward and backward and one AdamW step
-alone on the same batch: what any GRPO step must spend.
+split comes from its own profiling contexts. The floor is `generate` alone plus one forward and
+backward and one AdamW step alone on the same batch: what any GRPO step must spend.
 
 Model: the real SmolLM2-135M-Instruct (bundled), or any HF folder whose vocabulary covers the
 prompts (`python benchmarks/bench_vs_trl.py PATH`; the tests pass a tiny random one).
@@ -42,8 +42,8 @@ def case(model="smollm2", steps=4):
     out_dir = tempfile.mkdtemp(prefix="bench_vs_trl_")
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
         "--preset", "smollm2-addition", "--algo", "grpo", "--model", model, "--lr", str(LR),
-        "--steps", str(steps + WARMUP), "--eval-every", "1000", "--save-every", "0", "--device", "cpu",
-        "--quiet", "--out-dir", out_dir])
+        "--steps", str(steps + WARMUP), "--eval-every", "1000", "--save-every", "0", "--device",
+        "cpu", "--quiet", "--out-dir", out_dir])
     tokenizer, model, task = flowrl_tasks.build_laptop(args, torch.device("cpu"))
     prompts = task.prompts[: args.prompts_per_step]
     return dict(args=args, steps=steps, tokenizer=tokenizer, model=model, task=task,

@@ -157,7 +157,7 @@ def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_token
     gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
     flops, per_token = peak_flops(device), 4 if lora_rank else 6
     return {
-        "preset": name, "params": params, "samples": n, "planned_peak_gib": plan["total"],
+        "preset": name, "params": params, "samples": n, "plan_total_gib": plan["total"],
         "rollout_s": round(gen_s, 2), "update_s": round(train_s, 2),
         "rollout_tokens_per_s": round(gen_tokens / gen_s, 1),
         "update_tokens_per_s": round(train_tokens / train_s, 1),
@@ -211,7 +211,7 @@ def sd3_step(config, lora_rank, images, steps, resolution, device):
     loss_args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.01)
 
     def step(rows, trained_steps):
-        """Rollout of `rows` images, then the loss over `trained_steps` steps; (seconds, seconds)."""
+        """Roll out `rows` images, then the loss over `trained_steps` steps → (seconds, seconds)."""
         noise = torch.randn(rows, config["in_channels"], side, side, device=device)
         cond, empty = (embeds[:rows], pooled[:rows]), (embeds[:rows] * 0, pooled[:rows] * 0)
         sync(device)

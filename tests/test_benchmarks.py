@@ -21,7 +21,8 @@ def test_gpu_check_runs_with_tiny_configs_on_cpu():
         r for r in rows if "planned_peak_gib" not in r]
     assert [r["preset"] for r in rows] == ["tiny-full", "tiny-lora", "sd3.5-medium+lora"]
     assert [r["preset"] for r in plans] == ["tiny-full", "tiny-lora"]  # printed before each job
-    assert all(r.get("train_tokens_per_s", r.get("update_images_per_s", 0)) > 0 for r in rows)
+    assert all(r.get("update_tokens_per_s", r.get("update_images_per_s", 0)) > 0 for r in rows)
+    assert all(r["rollout_s"] > 0 and r["update_s"] > 0 for r in rows)  # each phase's seconds
 
 
 def test_gpu_check_plans_the_real_jobs_within_one_h200():
