@@ -386,12 +386,13 @@ def validate(args):
     )
 
 
-def train_arm(args, system, out_dir, accelerator):
+def train_arm(args, system, out_dir, accelerator, keep=None):
     """Flow-GRPO on the planner (the Flow-GRPO objective): G rollouts per query → broadcast A_i →
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
-    optimiser step. `args.credit` says which turns are trained. Returns (sampler_dev, the Run, the
-    last evaluation's (metrics, rollouts): the trained weights', or None where no step ran)."""
+    optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
+    every checkpoint. Returns (sampler_dev, the Run, the last evaluation's (metrics, rollouts): the
+    trained weights', or None where no step ran)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -536,7 +537,8 @@ def train_arm(args, system, out_dir, accelerator):
         if system.test and due:
             last_eval = evaluate(system, system.test, args, accelerator)
             record |= {f"eval_{k}": v for k, v in last_eval[0].items()}
-        run.log(step, record, {"sampler_dev": sampler_dev})
+        saved = {"sampler_dev": sampler_dev, **(keep or {})}
+        run.log(step, record, saved)
     return sampler_dev, run, last_eval
 
 
@@ -553,8 +555,16 @@ def train(args):
     out_dir = Path(args.out_dir)
     initial_state = copy.deepcopy(system.planner.state_dict()) if args.ablation else None
     test = system.test  # every rank evaluates its share; rank 0 writes
-    before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
-    sampler_dev, run, last_eval = train_arm(args, system, out_dir, accelerator)
+    checkpoint = out_dir / "checkpoint.safetensors"
+    resumed = args.resume and checkpoint.exists()
+    saved = tracking.checkpoint_state(checkpoint)["extra"] if resumed else {}
+    if "before" in saved:  # a resumed run: its start was evaluated before its checkpoint
+        before, before_text = saved["before"], saved["before_text"]
+    else:
+        before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
+        before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
+    sampler_dev, run, last_eval = train_arm(
+        args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text})
     # the last step's evaluation is of the trained weights (a resumed, finished run evaluates anew)
     after, after_rollouts = last_eval or (
         evaluate(system, test, args, accelerator) if test else ({}, []))
@@ -570,7 +580,7 @@ def train(args):
                             "before": before["accuracy"], "after": after["accuracy"]}
         if accelerator.is_main_process:  # rank 0 holds the first query's rollouts
             shown = "\n".join([
-                "before training:", agent_tools.format_rollout(before_rollouts[0]),
+                "before training:", before_text,
                 "after training:", agent_tools.format_rollout(after_rollouts[0])])
             (out_dir / "rollouts.txt").write_text(shown + "\n")
             if not args.quiet:

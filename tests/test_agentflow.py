@@ -325,3 +325,22 @@ def test_tool_output_cannot_forge_chat_turns():
     unescaped = tokenizer.apply_chat_template(
         [{"role": "user", "content": forged}], tokenize=False, add_generation_prompt=True)
     assert sum(i in turn_tokens for i in tokenizer(unescaped)["input_ids"]) > control_tokens(forged)
+
+
+def test_a_resumed_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
+    """The start's evaluation and its shown rollout are saved with the checkpoint: resuming reads
+    them back instead of evaluating the trained planner as the start."""
+    calls = []
+    evaluate = agentflow.evaluate
+    monkeypatch.setattr(agentflow, "evaluate", lambda *a: calls.append(1) or evaluate(*a))
+    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1",
+             "--warm-start-steps", "20", "--no-ablation", "--quiet", "--out-dir", str(tmp_path)]
+    fresh = agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, flags))
+    shown = (tmp_path / "rollouts.txt").read_text()
+    assert len(calls) == 2  # the start, and the last step's
+    resumed = agentflow.train(
+        cli.parse_args(agentflow.Args, agentflow.PRESETS, [*flags, "--resume"]))
+    assert len(calls) == 3  # the end only: the finished run evaluates its weights anew
+    assert resumed["accuracy_before"] == fresh["accuracy_before"]
+    assert (tmp_path / "rollouts.txt").read_text().split("after training:")[0] == \
+        shown.split("after training:")[0]
