@@ -523,7 +523,7 @@ def stage_one(world, base_data, arms, args, path):
     tracking.save_checkpoint(path, tensors, {"summary": summary, "shown": shown})
 
 
-def load_stage_one(world, path, args):
+def load_stage_one(world, path):
     """({init: its trained weights}, the stage-1 summary, the rollouts shown) from `path`; the
     model holds the last stage-1 model's weights (with LoRA, one arm: the one it trains)."""
     flat, state = tracking.load_checkpoint(path)
@@ -562,7 +562,7 @@ def train(args):
             stage_one(world, base_data, arms, args, stage1_file)
         while not stage1_file.exists():
             time.sleep(2)
-    states, summary, shown = load_stage_one(world, stage1_file, args)
+    states, summary, shown = load_stage_one(world, stage1_file)
     # stage 1's adapter stays, frozen; stage 2 trains a second one on top, π_ref = stage 1's alone
     if args.lora_rank:
         models.stack_adapter(world.model, "stage2")
