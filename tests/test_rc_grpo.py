@@ -340,14 +340,19 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
     # No accuracy assertion: the sweep's accuracy gain holds on one seed of five (docs/rc_grpo.md).
 
 
-def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
+def save_tiny_bfcl_model(folder):
+    """A tiny random Qwen2 whose word vocabulary covers a real BFCL entry, saved to `folder`."""
     words = json.dumps(bfcl.load_bfcl_entries(["base"])[0]).split()[:2000]
     tokenizer = models.make_tokenizer(words)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
     )
-    models.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
+    models.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
+    save_tiny_bfcl_model(tmp_path / "tiny")
     args = cli.parse_args(
         rc_grpo.Args,
         rc_grpo.PRESETS,
@@ -470,13 +475,7 @@ def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tm
     beside)."""
     import copy
 
-    words = json.dumps(bfcl.load_bfcl_entries(["base"])[0]).split()[:2000]
-    tokenizer = models.make_tokenizer(words)
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
-    )
-    models.tiny_causal_lm(len(tokenizer), max_positions=16384).save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
+    save_tiny_bfcl_model(tmp_path / "tiny")
     args = cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
         "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps", "2",
         "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1", "--max-steps",
