@@ -366,7 +366,8 @@ def train(args):
     sampler_dev, final = extra.get("sampler_dev", 0.0), {}
     num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
-        clock = [time.perf_counter()]  # the phases' ends, logged as seconds (the benchmark's)
+        # each phase's end, logged as seconds (the benchmarks read them)
+        clock = [time.perf_counter()]
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
@@ -531,8 +532,8 @@ def train(args):
         record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
         record["grad_norm"] = grad_norm.item()
         record["lr"] = optimizer.param_groups[0]["lr"]
-        phases = ("time_rollout", "time_prepare", "time_update")  # 1, 2-4 (π_old, π_ref), 5
-        record |= {name: end - begin for name, begin, end in zip(phases, clock, clock[1:])}
+        record |= tracking.phase_seconds(clock)  # 1, 2-4 (π_old, π_ref), 5
+        record |= tracking.token_counts(completions, every_micro_batch, args.inner_steps)
         if step % args.eval_every == 0 or step == args.steps:
             metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
             final = metrics if step == args.steps else final

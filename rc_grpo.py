@@ -288,12 +288,18 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
 def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
     """Rollouts under `token` (greedy by default) → (accuracy taken as the mean of R =
     R_state·R_action; accuracy by the official checker's semantics, bfcl_check). With an
-    `accelerator`, sharded: each rank rolls out every N-th entry and the scores are gathered."""
+    `accelerator`, sharded: each rank rolls out every N-th entry and the scores are gathered;
+    sampled (temperature > 0), each entry draws from its own seed."""
     if not entries:
         return float("nan"), float("nan")
     rank, ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = entries[rank::ranks]  # empty on a rank past the last entry
-    runs = bfcl.run_rollouts(world, mine, [reward_goal(token)] * len(mine), temperature, args)
+    seeds = None
+    if temperature > 0:  # one seed per entry: the same samples on any number of ranks
+        seeds = [distributed.sampling_seed(args.seed, 0, k) for k in range(len(entries))]
+        seeds = seeds[rank::ranks]
+    goals = [reward_goal(token)] * len(mine)
+    runs = bfcl.run_rollouts(world, mine, goals, temperature, args, seeds=seeds)
     scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in runs]
     scores = gather_object(scores) if ranks > 1 else scores
     rewards, checked = zip(*scores)
@@ -362,6 +368,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     sampler_dev, zero_var = extra.get("sampler_dev", 0.0), extra.get("zero_var", [])
     num_tasks = len(world.train)
     for step in range(start, args.steps + 1):
+        # each phase's end, logged as seconds (the benchmarks read them)
+        clock = [time.perf_counter()]
         # ALGO LOGIC
         # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO, Eq. 3) or a fixed
         #    one (GRPO)
@@ -387,6 +395,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         runs = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
         rewards = [r["reward"] for r in runs]
         rewards = torch.tensor(rewards)
+        clock.append(time.perf_counter())
 
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
         #    population std (App. A.2)
@@ -421,6 +430,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
             precision=args.mixed_precision,
             rows=scored,
         )
+        clock.append(time.perf_counter())
         optimizer.zero_grad()
         logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every micro-batch
         stat_sums, stat_rows = collections.defaultdict(float), 0
@@ -457,6 +467,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
         optimizer.step()
         stats = {stat: total / max(1, stat_rows) for stat, total in stat_sums.items()}
+        clock.append(time.perf_counter())
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
         outcomes = [
@@ -478,6 +489,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         record["success_high"] = sum(high) / max(1, len(high))
         record["success_low"] = sum(low) / max(1, len(low))
         record["grad_norm"] = grad_norm.item()
+        record |= tracking.phase_seconds(clock)  # 1-2, 3-4 (π_ref), the update
+        record |= tracking.token_counts(completions, micro_batches)
         record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
         run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
     last = run.records[-10:]  # the sampled tokens' entropy over the last ten steps (Table 4's)

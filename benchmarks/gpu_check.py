@@ -1,36 +1,43 @@
-"""One rollout + update step of each full-size preset on random weights: throughput, memory, MFU.
+"""The scripts' own training steps at full size on random weights: throughput, memory, MFU.
 
-    python benchmarks/gpu_check.py         # on a GPU: Qwen2.5-1.5B full fine-tune, Qwen2.5-7B +
-                                           # LoRA, SD3.5-Medium transformer + LoRA (no downloads)
-    python benchmarks/gpu_check.py --tiny  # the same code on CPU, tiny configs (a smoke test)
+    python benchmarks/gpu_check.py         # on a GPU: flowrl.py --preset full (Qwen2.5-1.5B, full
+                                           # fine-tune), rc_grpo.py --preset bfcl (Qwen2.5-7B +
+                                           # LoRA), flow_grpo.py --preset sd3 (SD3.5-Medium + LoRA)
+    python benchmarks/gpu_check.py --tiny  # the same calls on CPU, tiny configs (a smoke test)
+    python benchmarks/gpu_check.py --plan  # the LLM presets' planned peak memory, by parts
 
-Models are built on the device from their published configs with random weights, so nothing is
-fetched. Each job runs one small warm-up iteration untimed (CUDA initialisation, kernel selection),
-then its step: the sampler with per-row seeds and log-probs, the π_ref forward the presets run, the
-loss, backward and AdamW. The update's MFU counts 6·N FLOPs per trained token for a full fine-tune
-and 4·N under LoRA (a frozen base computes no weight gradients), over peak bf16 FLOP/s; attention
-FLOPs are left out. Decoding is reported as achieved memory bandwidth (the weights read once per new
-token), the figure that bounds it.
+Each job calls a script's own `train` with its preset for two steps and reads the second step
+from the run's metrics.jsonl: the seconds of each phase (rollout, scoring, update) and the tokens
+it generated and trained on. The first step is the warm-up (CUDA initialisation, kernel
+selection). Only the weights are not real: `from_pretrained` of transformers and diffusers is
+swapped, for the job's length, for a builder of the published configs with random weights on the
+device (a word- or letter-level tokenizer, text encoders of one layer), so nothing is fetched.
+Each job names what it cuts from the preset (fewer prompts per step: the same micro-batch and
+sequence shapes); evaluation is skipped or cut to a few prompts.
+
+Figures: rollout and update tokens/s (images/s for SD3), the update's MFU (6·N FLOPs per trained
+token for a full fine-tune, 4·N under LoRA: a frozen base computes no weight gradients; attention
+and recomputation left out; over peak bf16 FLOP/s), flowrl's decode bandwidth (bf16 weights read
+once per new token: one `generate` call per step at this batch), peak GPU memory against the plan.
 """
 
 import argparse
-import copy
+import contextlib
 import gc
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
-from envs import sd3  # noqa: E402
-from utils import distributed, models  # noqa: E402
+from utils import cli, distributed, models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -40,12 +47,38 @@ QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vo
     "qwen2.5-7b": dict(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=2048, tie_word_embeddings=True),
 }
-SD35_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+SD3 = {  # SD3.5-Medium's transformer and VAE as published; its text encoders cut to one layer
+    "sd3.5-medium": dict(
+        transformer=dict(
+            sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+        vae=dict(
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
+            norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
+            use_quant_conv=False, use_post_quant_conv=False),
+        clip_widths=(768, 1280), t5_width=4096),
+    "tiny": dict(
+        transformer=dict(
+            sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+            pooled_projection_dim=64, out_channels=4),
+        vae=dict(
+            down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+            block_out_channels=(4,), latent_channels=4, norm_num_groups=1, sample_size=32,
+            scaling_factor=1.5035, shift_factor=0.0609),
+        clip_widths=(32, 32), t5_width=32),
+}
+CHAT_TEMPLATE = (  # the word-level tokenizer's: each message as "role: content", then the reply
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+WORDS = [f"w{i}" for i in range(1000)]
 
 
 def peak_flops(device):
@@ -55,9 +88,17 @@ def peak_flops(device):
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def param_counts(config, lora_rank=0):
+    """(parameters, trained parameters) of a Qwen2 `config`; LoRA on every linear layer trains
+    r·(in + out) each: q/o h→h, k/v h→kv·d, gate/up h→I, down I→h."""
+    h, layers, inter, vocab = (config[k] for k in (
+        "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
+    per_layer = 4 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter
+    params = layers * per_layer + vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    if not lora_rank:
+        return params, params
+    return params, lora_rank * layers * (9 * h + 2 * kv_heads * head_dim + 3 * inter)
 
 
 def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budget, checkpointing):
@@ -70,11 +111,7 @@ def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budg
     h, layers, inter, vocab = (config[k] for k in (
         "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
-    per_layer = 4 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter
-    params = layers * per_layer + vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    # LoRA on every linear layer: r·(in + out) each, q/o h→h, k/v h→kv·d, gate/up h→I, down I→h
-    trained = lora_rank * layers * (9 * h + 2 * kv_heads * head_dim + 3 * inter) if lora_rank \
-        else params
+    params, trained = param_counts(config, lora_rank)
     seq = prompt_len + new_tokens
     micro_rows = max(1, token_budget // seq)
     layer_act = (12 * h + 4 * inter) * 2  # bytes per token of one layer's saved activations (bf16)
@@ -88,171 +125,179 @@ def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budg
     return gib | {"total": round(sum(gib.values()), 2)}
 
 
-def llm_step(name, config, lora_rank, prompts, group_size, prompt_len, new_tokens, token_budget,
-             checkpointing, device):
-    """GRPO step as the scripts run it: fp32 master weights (LoRA: bf16 base, fp32 adapter) under
-    bf16 autocast, generate G completions per prompt, then micro-batches of at most `token_budget`
-    tokens (the preset's), activation checkpointing as the preset sets it, the clipped loss on the
-    completion only, one AdamW step. Prints the planned peak first."""
-    from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config
-
-    n = prompts * group_size
-    plan = planned_peak_gib(config, lora_rank, n, prompt_len, new_tokens, token_budget,
-                            checkpointing)
-    print(json.dumps({"preset": name, "planned_peak_gib": plan}), flush=True)
-    base_dtype = torch.bfloat16 if lora_rank and device.type == "cuda" else torch.float32
-    with device:  # random init on the device, not on the CPU
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=base_dtype)
-    if checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    # π_ref as the presets hold it: a frozen copy for a full fine-tune, the adapter off under LoRA
-    reference = None if lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
-    if lora_rank:
-        model = models.add_lora(model, lora_rank)
-    models.check_master_weights(model)
-    autocast = common.training_autocast(device)
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    config_kwargs = dict(do_sample=True, top_k=0, top_p=1.0, pad_token_id=0)
-
-    def step(ids, new):
-        """The preset's step on prompts `ids`: sample `new` tokens per row (per-row seeds, the
-        sampler's log-probs), then π_ref and the loss per micro-batch, backward, one AdamW step.
-        Returns (generation seconds, update seconds, completed sequences)."""
-        rows = len(ids)
-        sampler = common.SampledLogprobs(1.0, row_seeds=list(range(rows)))
-        sync(device)
-        start = time.time()
-        with torch.no_grad(), autocast:
-            seq = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, logits_processor=LogitsProcessorList([sampler]),
-                **config_kwargs)
-        sync(device)
-        gen_s = time.time() - start
-        advantages = common.group_advantages(torch.rand(rows), 2).to(device)
-        rows_per_mb = max(1, token_budget // seq.shape[1])
-        model.train()
-        start = time.time()
-        for lo in range(0, rows, rows_per_mb):
-            chunk = seq[lo : lo + rows_per_mb]
-            attn = torch.ones_like(chunk)
-            mask = torch.ones(len(chunk), new, device=device)
-            with torch.no_grad(), autocast:
-                common.reference_logprobs(model, reference, chunk, attn, new)
-            with autocast:
-                logp = common.completion_logprobs(model, chunk, attn, new)
-            loss, _ = flowrl.grpo_loss(
-                logp, logp.detach(), advantages[lo : lo + rows_per_mb], mask, 0.2, rows * new)
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sync(device)
-        return gen_s, time.time() - start, seq
-
-    step(torch.randint(config["vocab_size"], (2, 8), device=device), 2)  # the warm-up, untimed
-    ids = torch.randint(config["vocab_size"], (n, prompt_len), device=device)
-    gen_s, train_s, seq = step(ids, new_tokens)
-    gen_tokens, train_tokens = n * new_tokens, n * seq.shape[1]
-    flops, per_token = peak_flops(device), 4 if lora_rank else 6
-    return {
-        "preset": name, "params": params, "samples": n, "plan_total_gib": plan["total"],
-        "rollout_s": round(gen_s, 2), "update_s": round(train_s, 2),
-        "rollout_tokens_per_s": round(gen_tokens / gen_s, 1),
-        "update_tokens_per_s": round(train_tokens / train_s, 1),
-        "decode_gb_per_s": round(new_tokens * weight_bytes / gen_s / 1e9, 1),
-        "update_mfu": round(per_token * params * train_tokens / train_s / flops, 4) if flops
-        else None}
+def word_tokenizer():
+    """A word-level tokenizer over WORDS with a plain chat template (the real ones are not
+    fetched): the prompts the checks write are WORDS, one token each."""
+    tokenizer = models.make_tokenizer(WORDS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def sd3_step(config, lora_rank, images, steps, resolution, device):
-    """Flow-GRPO step in the sd3 preset's precision (bf16 weights and autocast on a GPU that has it,
-    fp32 LoRA), with its gradient checkpointing and β = 0.01 (the reference: the adapter off): SDE
-    rollout with CFG, then step_loss over the trained steps; one small warm-up first, untimed."""
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
+def sd3_pipeline(parts, device, dtype, folder):
+    """A StableDiffusion3Pipeline of `parts` (SD3), random weights on `device` in `dtype`: two CLIP
+    text encoders and a T5 of one layer each, at the widths the transformer reads."""
+    from diffusers import (
+        AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+        StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    dtype = sd3.weight_dtype("auto", device)
-    with device:  # random init on the device
-        transformer = SD3Transformer2DModel(**config).to(dtype).requires_grad_(False)
-    transformer.enable_gradient_checkpointing()  # as the sd3 preset
-    transformer.add_adapter(
-        LoraConfig(
-            r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
-            target_modules=sd3.SD3_LORA_TARGETS)
-    )
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
-    for p in trainable:
-        p.data = p.data.float()
-    params = sum(p.numel() for p in transformer.parameters())
-    optimizer = torch.optim.AdamW(trainable, lr=3e-4)
-    side = resolution // 8 if config["in_channels"] == 16 else resolution
-    # 77 CLIP + 128 T5 text tokens, as the sd3 preset encodes them
-    embeds = torch.randn(images, 205, config["joint_attention_dim"], device=device, dtype=dtype)
-    pooled = torch.randn(images, config["pooled_projection_dim"], device=device, dtype=dtype)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-    def velocity(x, sigma, cond):
-        with autocast:
-            return transformer(
-                hidden_states=x.to(dtype), timestep=(1000 * sigma).float().expand(len(x)),
-                encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False
-            )[0].float()
-
-    def reference(x, sigma, cond):  # the adapter off, as the sd3 preset's reference
-        transformer.disable_adapters()
-        try:
-            return velocity(x, sigma, cond)
-        finally:
-            transformer.enable_adapters()
-
-    sigmas = flow_grpo.schedule(steps, 3.0, device)
-    loss_args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.01)
-
-    def step(rows, trained_steps):
-        """Roll out `rows` images, then the loss over `trained_steps` steps → (seconds, seconds)."""
-        noise = torch.randn(rows, config["in_channels"], side, side, device=device)
-        cond, empty = (embeds[:rows], pooled[:rows]), (embeds[:rows] * 0, pooled[:rows] * 0)
-        sync(device)
-        start = time.time()
-        latents, old_logp = flow_grpo.rollout(velocity, noise, sigmas, cond, empty, 4.5, 0.7)
-        sync(device)
-        rollout_s = time.time() - start
-        advantages = torch.randn(rows, device=device)
-        start = time.time()
-        for j in range(trained_steps):
-            x, x_next = latents[j], latents[j + 1]
-            v = flow_grpo.guided_velocity(velocity, x, sigmas[j], cond, empty, 4.5)
-            with torch.no_grad():
-                v_ref = flow_grpo.guided_velocity(reference, x, sigmas[j], cond, empty, 4.5)
-            loss, _, _ = flow_grpo.step_loss(
-                v, v_ref, x, x_next, sigma=sigmas[j], sigma_next=sigmas[j + 1],
-                old_logp=old_logp[j], advantages=advantages, args=loss_args)
-            (loss / trained_steps).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sync(device)
-        return rollout_s, time.time() - start
-
-    step(1, 1)  # the warm-up, untimed
-    rollout_s, update_s = step(images, steps - 1)
-    return {
-        "preset": "sd3.5-medium+lora", "params": params, "images": images, "resolution": resolution,
-        "precision": str(dtype), "rollout_s": round(rollout_s, 2), "update_s": round(update_s, 2),
-        "rollout_images_per_s": round(images / rollout_s, 3),
-        "update_images_per_s": round(images / update_s, 3)}
+    tokenizer = models.letter_clip_tokenizer(folder)
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    clip = lambda width: CLIPTextModelWithProjection(CLIPTextConfig(
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1,
+        num_attention_heads=width // 64 or 4, max_position_embeddings=77, projection_dim=width,
+        **ids))
+    t5_width = parts["t5_width"]
+    with device:
+        clip_l, clip_g = (clip(width) for width in parts["clip_widths"])
+        t5 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer), d_model=t5_width, d_kv=64 if t5_width >= 64 else 8,
+            d_ff=t5_width * 5 // 2, num_layers=1, num_heads=max(4, t5_width // 64)))
+        pipe = StableDiffusion3Pipeline(
+            transformer=SD3Transformer2DModel(**parts["transformer"]),
+            vae=AutoencoderKL(in_channels=3, out_channels=3, **parts["vae"]),
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clip_l,
+            tokenizer=tokenizer, text_encoder_2=clip_g, tokenizer_2=tokenizer, text_encoder_3=t5,
+            tokenizer_3=tokenizer)
+    return pipe.to(dtype)
 
 
+@contextlib.contextmanager
+def random_weights(device, llm=None, sd3=None):
+    """For the `with` block, transformers' `from_pretrained` (AutoTokenizer, AutoModelForCausalLM)
+    and diffusers' StableDiffusion3Pipeline.from_pretrained build the config `llm` / the parts
+    `sd3` with random weights on `device`, in the dtype the script asks for."""
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-def real_llm_jobs():
-    """(name, config, LoRA rank, prompts, G, prompt tokens, new tokens, micro-batch token budget,
-    checkpointing) of the two LLM jobs, budget and checkpointing from the presets themselves."""
+    def causal_lm(path, dtype=torch.float32, **kwargs):
+        with device:
+            return AutoModelForCausalLM.from_config(Qwen2Config(**llm), dtype=dtype)
+
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
+        patch = lambda owner, builder: stack.enter_context(
+            mock.patch.object(owner, "from_pretrained", builder))
+        patch(AutoTokenizer, lambda *args, **kwargs: word_tokenizer())
+        patch(AutoModelForCausalLM, causal_lm)
+        patch(StableDiffusion3Pipeline,
+              lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder))
+        yield
+
+
+def brightness(images, prompts):
+    """The SD3 job's reward (`--reward __main__:brightness`): each image's mean pixel, a stand-in
+    for PickScore, whose cost is not the trainer's."""
+    return images.float().mean(dim=(1, 2, 3))
+
+
+def second_step(script, argv, out_dir, metrics="metrics.jsonl"):
+    """Run `script.train` on `argv` parsed as the script does (two steps) → (the second step's
+    logged metrics, out_dir/`metrics`, and the peak GPU memory in GiB)."""
+    args = cli.parse_args(script.Args, script.PRESETS, [
+        *argv, "--save-every", "0", "--quiet", "--overwrite", "--out-dir", str(out_dir)])
+    script.train(args)
+    lines = (Path(out_dir) / metrics).read_text().splitlines()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return json.loads(lines[-1]), peak
+
+
+def figures(record, peak_gib, params, per_token_flops, device):
+    """Throughput, MFU and peak memory of a logged step (`record`)."""
+    flops = peak_flops(device)
+    result = {
+        "rollout_s": round(record["time_rollout"], 2),
+        "prepare_s": round(record["time_prepare"], 2), "update_s": round(record["time_update"], 2),
+        "peak_gpu_gib": round(peak_gib, 2) if peak_gib is not None else None}
+    if "tokens_update" in record:
+        update_flops = per_token_flops * params * record["tokens_update"]
+        result |= {
+            "rollout_tokens_per_s": round(record["tokens_rollout"] / record["time_rollout"], 1),
+            "update_tokens_per_s": round(record["tokens_update"] / record["time_update"], 1),
+            "update_mfu": round(update_flops / record["time_update"] / flops, 4) if flops
+            else None}
+    return result
+
+
+def flowrl_job(tiny, device, out_dir):
+    """flowrl.py --preset full (Qwen2.5-1.5B, full fine-tune, 1024 new tokens, micro-batches of
+    8192 tokens, checkpointing) at 8 prompts × G 8 in 4 mini-batches of 16 rows (the preset: 32
+    prompts in 16 of 16), prompts of 256 words."""
+    config, prompt_words, extra = QWEN["qwen2.5-1.5b"], 256, []
+    if tiny:
+        config, prompt_words = QWEN["tiny"], 16
+        extra = ["--max-new-tokens", "8", "--micro-batch-tokens", "128", "--device", "cpu"]
+    data = Path(out_dir) / "prompts.jsonl"
+    words = (WORDS * prompt_words)[:prompt_words]
+    data.write_text("".join(json.dumps({"prompt": " ".join(words[i:] + words[:i]), "answer": "1"})
+                            + "\n" for i in range(8)))
+    argv = ["--preset", "full", "--model", "qwen2.5-1.5b", "--data", str(data), "--steps", "2",
+            "--prompts-per-step", "8", "--minibatches", "4", "--eval-every", "1000", *extra]
+    plan = planned_peak_gib(config, 0, 64, prompt_words + 10, 1024, 8192, True)
+    with random_weights(device, llm=config):
+        record, peak = second_step(flowrl, argv, Path(out_dir) / "run")
+    params, _ = param_counts(config)
+    result = {"job": "flowrl --preset full", "params": params, "plan_total_gib": plan["total"]}
+    result |= figures(record, peak, params, 6, device)
+    decode_steps = record["tokens_rollout"] / 64  # one generate call: rows share the length
+    result["decode_gb_per_s"] = round(2 * params * decode_steps / record["time_rollout"] / 1e9, 1)
+    return result
+
+
+def rc_grpo_job(tiny, device, out_dir):
+    """rc_grpo.py --preset bfcl (Qwen2.5-7B + LoRA r 64, the real BFCL v4 entries with bfcl-eval's
+    system prompt and every function's docs; stage 1, stage 2, the merged fp32 policy saved) on 2
+    train and 2 test tasks, their first user turn, one RCTP-FT epoch, 2 tasks per step (the
+    preset: 16)."""
+    config, extra = QWEN["qwen2.5-7b"], []
+    if tiny:
+        config = QWEN["tiny"]
+        extra = ["--max-new-tokens", "8", "--max-steps", "2", "--docs", "needed",
+                 "--system-prompt", "short", "--device", "cpu"]
+    argv = ["--preset", "bfcl", "--model", "qwen2.5-7b", "--max-tasks", "2", "--max-turns", "1",
+            "--steps", "2", "--tasks-per-step", "2", "--rctp-epochs", "1", *extra]
+    with random_weights(device, llm=config):
+        record, peak = second_step(
+            rc_grpo, argv, Path(out_dir) / "run", metrics="rctp+rc-grpo/metrics.jsonl")
+    params, _ = param_counts(config)
+    return {"job": "rc_grpo --preset bfcl", "params": params} | figures(
+        record, peak, params, 4, device)
+
+
+def flow_grpo_job(tiny, device, out_dir):
+    """flow_grpo.py --preset sd3 (SD3.5-Medium + LoRA r 32, 512 px, 10 SDE steps with CFG, β 0.01,
+    checkpointing, micro-batches of 8) at 2 prompts × G 8 (the preset: 8 × 8); evaluation on 4
+    prompts."""
+    parts, extra = SD3["sd3.5-medium"], []
+    if tiny:
+        parts = SD3["tiny"]
+        extra = ["--resolution", "16", "--eval-steps", "2", "--device", "cpu"]
+    prompts = Path(out_dir) / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\na green bird\na cup\n")
+    argv = ["--preset", "sd3", "--model", "sd3.5-medium", "--reward", "__main__:brightness",
+            "--prompts", str(prompts), "--eval-prompts", str(prompts), "--epochs", "2",
+            "--prompts-per-epoch", "2", "--eval-every", "1000", *extra]
+    with random_weights(device, sd3=parts):
+        record, peak = second_step(flow_grpo, argv, Path(out_dir) / "run")
+    images = 2 * 8
+    result = {"job": "flow_grpo --preset sd3", "images": images} | figures(
+        record, peak, None, 0, device)
+    result["rollout_images_per_s"] = round(images / record["time_rollout"], 3)
+    result["update_images_per_s"] = round(images / record["time_update"], 3)
+    return result
+
+
+def real_llm_plans():
+    """{preset: planned peak} of the LLM presets at their own batch: flowrl's full (32 prompts ×
+    G 8) and rc_grpo's bfcl (16 tasks × G 5 rollouts, 32 rows a `generate` call), prompts of 256
+    tokens."""
     full, bfcl = flowrl.PRESETS["full"], rc_grpo.PRESETS["bfcl"]
-    return [("qwen2.5-1.5b full", QWEN["qwen2.5-1.5b"], 0, 8, 8, 256, 512,
-             full["micro_batch_tokens"], full["gradient_checkpointing"]),
-            ("qwen2.5-7b lora", QWEN["qwen2.5-7b"], 64, 8, 8, 256, 512,
-             bfcl["micro_batch_tokens"], bfcl["gradient_checkpointing"])]
+    return {
+        "flowrl full (qwen2.5-1.5b)": planned_peak_gib(
+            QWEN["qwen2.5-1.5b"], 0, full["gen_batch"], 256, full["max_new_tokens"],
+            full["micro_batch_tokens"], full["gradient_checkpointing"]),
+        "rc_grpo bfcl (qwen2.5-7b + lora)": planned_peak_gib(
+            QWEN["qwen2.5-7b"], bfcl["lora_rank"], bfcl["gen_batch"], 256, bfcl["max_new_tokens"],
+            bfcl["micro_batch_tokens"], bfcl["gradient_checkpointing"])}
 
 
 def main():
@@ -260,48 +305,22 @@ def main():
     parser.add_argument(
         "--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware"
     )
-    parser.add_argument("--plan", action="store_true", help="print the real jobs' planned peaks")
+    parser.add_argument("--plan", action="store_true", help="print the LLM presets' planned peaks")
     args = parser.parse_args()
-    _, device = distributed.setup_accelerator("auto")
-    if args.tiny:
-        small = dict(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=512)
-        jobs = [
-            lambda: llm_step("tiny-full", small, 0, 2, 4, 16, 8, 60, True, device),
-            lambda: llm_step("tiny-lora", small, 8, 2, 4, 16, 8, 60, False, device),
-            lambda: sd3_step(
-                dict(
-                    sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                    num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-                    pooled_projection_dim=64, out_channels=4),
-                4,
-                2,
-                3,
-                16,
-                device,
-            ),
-        ]
-    else:
-        jobs = [lambda: llm_step(*real, device) for real in real_llm_jobs()]
-        jobs.append(lambda: sd3_step(SD35_MEDIUM, 32, 8, 10, 512, device))
     if args.plan:
-        for real in real_llm_jobs():
-            print(json.dumps({"preset": real[0], "planned_peak_gib": planned_peak_gib(
-                *real[1:3], real[3] * real[4], *real[5:])}))
+        for preset, plan in real_llm_plans().items():
+            print(json.dumps({"preset": preset, "planned_peak_gib": plan}))
         return
-    for job in jobs:
+    device = torch.device("cpu") if args.tiny else distributed.setup_accelerator("auto")[1]
+    for job in (flowrl_job, rc_grpo_job, flow_grpo_job):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        result = job()
-        result["peak_gpu_gib"] = (
-            round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            if device.type == "cuda"
-            else None
-        )
+        start = time.time()
+        with tempfile.TemporaryDirectory() as out_dir:
+            result = job(args.tiny, device, out_dir)
+        result["job_s"] = round(time.time() - start, 1)
         print(json.dumps(result), flush=True)
-        del result
-        gc.collect()  # the job's model is in reference cycles: free it before the next one
+        gc.collect()  # the job's models sit in reference cycles: free them before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import common
-from utils import models
+from utils import distributed, models
 
 
 CATEGORIES = ["base", "long_context", "miss_func", "miss_param"]
@@ -516,21 +516,23 @@ def decode_calls(text):
         return []
 
 
-def run_rollouts(world, entries, goals, temperature, args):
+def run_rollouts(world, entries, goals, temperature, args, seeds=None):
     """Play each entry with BFCL's protocol, its first user message ending in its goal text (None =
     none): per user turn, generate → decode → execute → append the results, until the output
     decodes to no call (the turn ends); more than `args.max_steps` steps in one turn abandons the
-    entry (BFCL: 20).
+    entry (BFCL: 20). With `seeds` (one per entry), each model step of a dialogue draws from its
+    own seed, so a dialogue samples the same whatever it is batched with (or on which rank).
 
     All rollouts advance together (one batched `generate` per step, `args.gen_batch` rows at a
     time). Returns, per rollout, its steps (prompt, completion ids, sampling log-probs),
     `calls_per_turn`, and R = trajectory_reward.
     """
     runs = []
-    for entry, goal in zip(entries, goals):
+    for k, (entry, goal) in enumerate(zip(entries, goals)):
         env = BFCLEnv(entry)
         runs.append(
             {
+                "seed": seeds[k] if seeds else None,
                 "entry": entry,
                 "goal": goal,
                 "env": env,
@@ -555,10 +557,13 @@ def run_rollouts(world, entries, goals, temperature, args):
         active, prompts = [active[k] for k in keep], [prompts[k] for k in keep]
         if not active:
             break
+        row_seeds = None
+        if seeds:  # the dialogue's seed and its step
+            row_seeds = [distributed.sampling_seed(r["seed"], len(r["steps"]), 0) for r in active]
         outputs = common.sample_completions(
             world.model, world.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
             batch_rows=args.gen_batch, token_budget=args.gen_tokens,
-            precision=args.mixed_precision)
+            precision=args.mixed_precision, row_seeds=row_seeds)
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})

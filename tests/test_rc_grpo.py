@@ -155,6 +155,24 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
     assert run["reward"] == 1.0 and len(run["steps"]) == 3  # `[]` ended the turn
 
 
+def test_a_seeded_dialogue_samples_the_same_alone_or_batched_with_others():
+    """Sampled evaluation seeds each entry (rc_grpo.evaluate): a dialogue draws the same tokens at
+    every step whatever it is batched with, so N ranks' shards sample what one process does."""
+    tokenizer = models.make_tokenizer(["user", "asst", "tool", "x", "[", "]"])
+    model = models.tiny_causal_lm(len(tokenizer), seed=3)
+    world = bfcl.World([], [], tokenizer, model, text_format=bfcl_toy.ToyFormat(), end_text="done")
+    one_turn = toy_entry(["a.txt"]) | {"ground_truth": [["ls()"]]}
+    two_turns = one_turn | {
+        "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "x x"}]],
+        "ground_truth": [["ls()"], ["pwd()"]]}
+    entries = [one_turn, two_turns, one_turn]
+    together = bfcl.run_rollouts(world, entries, [None] * 3, 1.0, ROLLOUT_ARGS, seeds=[7, 8, 9])
+    (alone,) = bfcl.run_rollouts(world, entries[1:2], [None], 1.0, ROLLOUT_ARGS, seeds=[8])
+    steps = lambda run: [step["ids"] for step in run["steps"]]
+    assert len(steps(alone)) == 2 and steps(alone) == steps(together[1])
+    assert steps(together[0]) != steps(together[2])  # other seeds, other draws
+
+
 def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(monkeypatch):
     entry = toy_entry(["a.txt"]) | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
@@ -311,7 +329,8 @@ def test_toy_run_is_on_policy_and_deterministic(tmp_path):
         assert summary["rctp+rc-grpo"]["sampler_logprob_max_dev"] < 1e-3
         runs.append(
             [
-                {k: v for k, v in json.loads(line).items() if k != "sec"}
+                {k: v for k, v in json.loads(line).items()
+                 if k != "sec" and not k.startswith("time_")}  # wall-clock seconds
                 for line in (tmp_path / name / "rctp+rc-grpo" / "metrics.jsonl")
                 .read_text()
                 .splitlines()

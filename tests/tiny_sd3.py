@@ -5,25 +5,11 @@ Shapes follow diffusers' own SD3 tests (diffusers' own SD3 tests). The tokenizer
 CLIPTokenizer over single letters written on the spot, so nothing is fetched from the hub.
 """
 
-import json
 from pathlib import Path
 
 import torch
 
-
-def letter_clip_tokenizer(folder):
-    from transformers import CLIPTokenizer
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(
-        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
+from utils.models import letter_clip_tokenizer
 
 
 def save_tiny_sd3(folder, seed=0):

@@ -1,11 +1,13 @@
 """Models the scripts load: tiny offline ones of the real classes, the bundled SmolLM2, a hub id.
 
     make_tokenizer / tiny_causal_lm   a word-level tokenizer and a Qwen2ForCausalLM at toy size
+    letter_clip_tokenizer             a CLIPTokenizer over letters, for tiny SD3 pipelines
     load_causal_lm                    tokenizer + model from the hub, a path or `smollm2`, with a
                                       one-line error when it cannot be loaded; fp32 master weights
     add_lora                          the one LoRA wrapper every script uses (peft)
 """
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -31,6 +33,23 @@ def make_tokenizer(words, special_tokens=()):
     if special_tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     return tokenizer
+
+
+def letter_clip_tokenizer(folder):
+    """A CLIPTokenizer over single letters, its vocabulary written to `folder`: what a tiny SD3
+    pipeline (its CLIP and T5 slots) tokenizes with offline."""
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab[c] = len(vocab)
+        vocab[c + "</w>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
 
 
 def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512,

@@ -29,6 +29,20 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
+def phase_seconds(clock):
+    """{time_rollout, time_prepare, time_update}: the seconds between a step's clock marks (its
+    start, rollouts done, scoring done, update done), logged for the benchmarks to read."""
+    phases = ("time_rollout", "time_prepare", "time_update")
+    return {name: end - begin for name, begin, end in zip(phases, clock, clock[1:])}
+
+
+def token_counts(completions, micro_batches, epochs=1):
+    """{tokens_rollout: this rank's generated tokens, tokens_update: the tokens its update's
+    forward passes read (prompts and completions, unpadded) over `epochs` passes}."""
+    update = sum(int(mb.attn.sum()) for mb in micro_batches)
+    return {"tokens_rollout": sum(len(c) for c in completions), "tokens_update": epochs * update}
+
+
 class RunLogger:
     """Writes config.json, metrics.jsonl (one line per step), summary.json and PNG curves under
     out_dir; shows a tqdm bar and one compact stdout line per logged step. With
