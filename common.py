@@ -200,8 +200,9 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature
         recorder = SampledLogprobs(temperature if temperature > 0 else 1.0,
                                    row_seeds and row_seeds[lo:hi])
         with training_autocast(model.device, precision):  # the precision the trainer scores in
-            seq = model.generate(
-                **enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+            seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
+                **enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]),
+                synced_gpus=False)
         recorder.collect(seq)
         completion = seq[:, enc["input_ids"].shape[1] :].cpu()
         logp = torch.stack(recorder.picked, 1).cpu() if temperature > 0 else torch.zeros(
@@ -297,7 +298,7 @@ class MicroBatch:
 
 def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, token_budget, device,
                          model=None, reference=None, temperature=1.0, with_old=True,
-                         with_reference=True, precision="auto", rows=None):
+                         with_reference=True, precision="auto", rows=None, equal_count=None):
     """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most `token_budget`
     packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
 
@@ -307,15 +308,27 @@ def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, toke
     differently and stays a diagnostic only) — needed only where samples are reused (several
     mini-batches or epochs); an on-policy update leaves it None and takes its own logp.detach(),
     the same numbers without a second forward. With `with_reference`, π_ref (the frozen
-    `reference`, else `model` with its adapter off)."""
-    subset, out = list(range(len(prompts)) if rows is None else rows), []
-    if not subset:  # an empty mini-batch (fewer rows than mini-batches)
-        return out
-    for local in micro_batches(tokenizer, [prompts[r] for r in subset],
-                               [completions[r] for r in subset], token_budget):
-        rows = [subset[k] for k in local]
-        ids, attn, mask = pack_completions(
-            tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
+    `reference`, else `model` with its adapter off).
+
+    `equal_count` (a sharded model, whose every forward and backward is a collective): maps this
+    rank's number of micro-batches to the number every rank runs; empty micro-batches (no rows,
+    one masked-out token) are appended up to it."""
+    subset = list(range(len(prompts))) if rows is None else rows
+    packed = []
+    if subset:  # an empty mini-batch (fewer rows than mini-batches) has none
+        packed = micro_batches(tokenizer, [prompts[r] for r in subset],
+                               [completions[r] for r in subset], token_budget)
+    packed = [[subset[k] for k in local] for local in packed]
+    if equal_count:
+        packed += [[]] * (equal_count(len(packed)) - len(packed))
+    out = []
+    for rows in packed:
+        if rows:
+            ids, attn, mask = pack_completions(
+                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
+        else:  # padding: a one-token prompt and a one-token completion, masked out
+            ids = torch.full((1, 2), tokenizer.pad_token_id or 0, device=device)
+            attn, mask = torch.ones_like(ids), torch.zeros(1, 1, device=device)
         mb = MicroBatch(rows, ids, attn, mask)
         if sampler_logps is not None:
             mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])

@@ -137,6 +137,9 @@ class Args:
     gen_batch: int = cli.arg(64, "prompts per `generate` call")
     gradient_checkpointing: bool = cli.arg(
         False, "recompute activations in the backward pass (full preset: on)")
+    fsdp: bool = cli.arg(
+        False, "shard the weights, gradients, AdamW moments and π_ref over the N processes "
+        "(FSDP2; full fine-tunes past one GPU's memory, the full-7b preset)")
     mixed_precision: str = cli.arg(
         "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
         "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
@@ -316,6 +319,8 @@ def validate(args):
                 (args.task == "math") == bool(args.data),
                 "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
             ),
+            (not (args.fsdp and args.lora_rank),
+             "--fsdp shards a full fine-tune; a LoRA run keeps its base whole (drop one)"),
             (
                 (args.task == "valleys") != bool(args.model),
                 f"--task {args.task} needs --model (or a preset: full, smollm2-addition, "
@@ -338,9 +343,15 @@ def train(args):
     tokenizer, model, task = flowrl_tasks.build(args, device)
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
+    autocast = common.training_autocast(device, args.mixed_precision)
+    equal_count = None  # --fsdp: each rank holds 1/N of the policy's state and of π_ref
+    if args.fsdp:
+        bf16 = isinstance(autocast, torch.autocast)  # bf16 compute, fp32 master shards
+        distributed.shard(model, bf16)
+        distributed.shard(ref_model, bf16)
+        equal_count = distributed.equal_count(accelerator)
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
     optimizer, trained = make_optimizer(model, head, args)
-    autocast = common.training_autocast(device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
     # groups and the gradients are averaged once per optimiser step (distributed.average_gradients).
@@ -374,15 +385,16 @@ def train(args):
         picked = picked[mine.start : mine.stop].tolist()
         seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
         group_prompts = [task.prompts[i] for i in picked]
-        samples = sample_groups(
-            model,
-            tokenizer,
-            group_prompts,
-            group_size=args.group_size,
-            seeds=seeds,
-            args=args,
-            stop_at_eos=task.kind != "valleys",
-        )
+        with distributed.unsharded(model):  # --fsdp: gathered once, not per token
+            samples = sample_groups(
+                model,
+                tokenizer,
+                group_prompts,
+                group_size=args.group_size,
+                seeds=seeds,
+                args=args,
+                stop_at_eos=task.kind != "valleys",
+            )
         prompt_ids = [i for i in picked for _ in range(args.group_size)]
         prompts = [task.prompts[i] for i in prompt_ids]
         texts = [text for text, _, _ in samples]
@@ -414,9 +426,10 @@ def train(args):
                 with_reference=args.algo != "grpo",
                 precision=args.mixed_precision,
                 rows=rows,
+                equal_count=equal_count,
             )
             minibatches.append(micro_batches)
-        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
+        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
         # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
         reward_hat = rewards
@@ -450,7 +463,9 @@ def train(args):
             num_rows = sum(len(mb.rows) for mb in minibatch)
             token_count = sum(int(mb.mask.sum()) for mb in minibatch)
             token_count = max(1, token_count)
-            for mb in minibatch:
+            for k, mb in enumerate(minibatch):
+                last = k == len(minibatch) - 1
+                distributed.sync_gradients(model, last)  # --fsdp: reduce once
                 ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
                 completion_len = mask.shape[1]
                 prompt_len = ids.shape[1] - completion_len
@@ -463,6 +478,9 @@ def train(args):
                         return_hidden=args.algo == "flowrl",
                     )
                 logp, hidden = scored if args.algo == "flowrl" else (scored, None)
+                if not rows:  # --fsdp padding: the same passes on every rank
+                    (logp.sum() * 0).backward()
+                    continue
                 if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                     mb.old_logp = logp.detach()
                 if args.algo == "flowrl":  # the TB residual, squared and weighted by w
@@ -514,7 +532,7 @@ def train(args):
             if update == 0:
                 logged["ratio_dev_first"] = logged["ratio_dev"]  # on-policy: exactly 0
             distributed.average_gradients(trained, accelerator)  # the update's one collective
-            grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)  # log Z head included
+            grad_norm = distributed.clip_grad_norm(trained, 1.0)  # log Z head included
             common.check_finite(grad_norm, step, "gradient norm")
             optimizer.step()
         stats = {name: float(total / stat_rows) for name, total in stat_sums.items()}
@@ -545,9 +563,11 @@ def train(args):
     summary = flowrl_tasks.summary_of(scalars(first, all_keys=True), scalars(final, all_keys=True),
                                       args, task) | {"sampler_logprob_max_dev": sampler_dev}
     plots = flowrl_tasks.run_plots(first, final, args, task, out_dir) if main else []
-    if task.kind != "valleys" and main:  # the log Z head stays out of the exported model
-        model.save_pretrained(out_dir / "policy")
-        tokenizer.save_pretrained(out_dir / "policy")
+    if task.kind != "valleys":  # the log Z head stays out of the exported model
+        weights = distributed.full_weights(model)  # --fsdp: gathered to rank 0; else None
+        if main:
+            model.save_pretrained(out_dir / "policy", state_dict=weights)
+            tokenizer.save_pretrained(out_dir / "policy")
     return run.finish(summary, plots)
 
 

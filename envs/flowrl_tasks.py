@@ -411,13 +411,15 @@ def build(args, device):
 def evaluate(model, ref_model, tokenizer, task, args, accelerator):
     """What this task measures: the toy's exact metrics, the answer spread, or Avg@k ({} when the
     task has no held-out rows). Every rank calls it: Avg@k is sharded, the others are computed
-    alike on every rank (exact, or one fixed seed). Leaves the model in training mode."""
-    if task.kind == "valleys":
-        metrics = exact_metrics(model, ref_model, tokenizer, task, args.beta)
-    elif task.kind == "numbers":
-        metrics = answer_spread(model, tokenizer, task, args)
-    else:
-        metrics = avg_at_k(model, tokenizer, task, args, accelerator) if task.eval_rows else {}
+    alike on every rank (exact, or one fixed seed). Leaves the model in training mode. A sharded
+    model is gathered once for the whole evaluation (`distributed.unsharded`)."""
+    with distributed.unsharded(model):
+        if task.kind == "valleys":
+            metrics = exact_metrics(model, ref_model, tokenizer, task, args.beta)
+        elif task.kind == "numbers":
+            metrics = answer_spread(model, tokenizer, task, args)
+        else:
+            metrics = avg_at_k(model, tokenizer, task, args, accelerator) if task.eval_rows else {}
     model.train()
     return metrics
 

@@ -51,8 +51,9 @@ if __name__ == "__main__":
 
         flowrl_tasks.evaluate = slow(flowrl_tasks.evaluate, float(os.environ["SLOW_EVAL_SECONDS"]))
     module.train(cli.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
-    params = [
-        p.detach().cpu().clone() for group in optimizers[-1].param_groups for p in group["params"]
+    params = [  # a sharded parameter (--fsdp) gathered whole: every rank, the same order
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+        for group in optimizers[-1].param_groups for p in group["params"]
     ]
     torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
     Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.calls").write_text(str(len(calls)))

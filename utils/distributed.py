@@ -51,11 +51,15 @@ def average_gradients(params, accelerator):
     """g ← mean over ranks of each rank's accumulated g: what DDP's all-reduce computes, as one
     collective per parameter per optimiser step (a rank without a gradient adds zeros), so ranks
     may run different numbers of micro-batches (their rollouts differ in length) without a hang. A
-    no-op in one process."""
+    no-op in one process; sharded parameters (FSDP) are skipped: their gradients are reduced by
+    FSDP in the backward pass."""
     if accelerator.num_processes == 1:
         return
     import torch.distributed as dist
 
+    params = [p for p in params if not is_sharded(p)]  # FSDP reduces its shards' itself
+    if not params:
+        return
     # which parameters got a gradient on any rank (one small all-reduce): one that got none
     # anywhere stays None, so AdamW skips it as it would in one process
     has_grad = [p.grad is not None for p in params]
@@ -80,3 +84,98 @@ def max_over_ranks(count, accelerator):
     value = torch.tensor([count], device=accelerator.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
+
+
+# ------------------------------------------------ sharding (FSDP2): flowrl.py --fsdp, past one GPU
+
+
+def is_sharded(tensor):
+    """A DTensor: a shard of a parameter (or gradient) that FSDP holds across the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def shard(model, bf16):
+    """FSDP2 (`fully_shard`) on each decoder layer, then on the root (embeddings, final norm, LM
+    head): each rank keeps 1/N of every weight, its gradient and its AdamW moments. The shards stay
+    fp32 master weights; with `bf16` the forward and backward run on bf16 copies gathered layer by
+    layer, and gradients are reduced in fp32 (a MixedPrecisionPolicy). A frozen model (the
+    reference) is first cast to bf16 when `bf16`: it is only ever read."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
+        raise SystemExit("error: --fsdp shards over several processes: start it with "
+                         "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N`")
+    frozen = not any(p.requires_grad for p in model.parameters())
+    policy = MixedPrecisionPolicy()
+    if bf16 and frozen:
+        model.to(torch.bfloat16)
+    elif bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+class unsharded:
+    """`with unsharded(model):` every FSDP unit of `model` is gathered once on entering and kept
+    gathered through any number of forwards (generate's decode steps then run no collective, so
+    ranks may generate different lengths and numbers of batches), and resharded on leaving. A no-op
+    for a model that is not sharded."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self):
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+
+    def __exit__(self, *exc):
+        for unit in self.units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def sync_gradients(model, sync):
+    """FSDP: reduce-scatter this backward's gradients (`sync`, a mini-batch's last micro-batch) or
+    keep accumulating them unsharded. A no-op for a model that is not sharded."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+
+
+def clip_grad_norm(params, max_norm):
+    """torch's clip_grad_norm_ over parameters some of which are sharded (DTensor gradients, their
+    norm taken across the ranks) and some replicated: the norm of all gradients together, returned
+    as a plain tensor."""
+    params = [p for p in params if p.grad is not None]
+    parts = [[p for p in params if is_sharded(p)], [p for p in params if not is_sharded(p)]]
+    parts = [part for part in parts if part]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in part]) for part in parts]
+    norms = [n.full_tensor() if is_sharded(n) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    for part in parts:
+        torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
+    return total
+
+
+def full_weights(model):
+    """The whole state dict of a sharded `model`, gathered to rank 0 on its CPU (every rank must
+    call; the others get {}), for `save_pretrained(state_dict=...)`; None for a model that is not
+    sharded (save_pretrained then reads the model itself)."""
+    if not any(is_sharded(p) for p in model.parameters()):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def equal_count(accelerator):
+    """count → the largest count any rank holds (`max_over_ranks`): how many micro-batches each rank
+    of a sharded model runs (common.scored_micro_batches pads up to it)."""
+    return lambda count: max_over_ranks(count, accelerator)

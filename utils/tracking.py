@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from utils import distributed
+
 
 RUN_FILES = (  # a run is in the folder
     "metrics.jsonl", "summary.json", "checkpoint.safetensors", "stage1.safetensors")
@@ -171,29 +173,73 @@ def checkpoint_state(path):
         return json.loads(f.metadata()["state"])
 
 
-def load_checkpoint(path):
-    """(tensors, state) from a file written by `save_checkpoint`."""
-    from safetensors.torch import load_file
+def load_checkpoint(path, everything=True):
+    """(tensors, state) from a file written by `save_checkpoint`; without `everything`, only its
+    RNG states (a sharded run's other ranks: rank 0 sends them their weights)."""
+    from safetensors import safe_open
 
     state = checkpoint_state(path)
-    return load_file(str(path)), state
+    with safe_open(str(path), framework="pt") as f:
+        keys = [k for k in f.keys() if everything or k.startswith("rng/")]
+        return {k: f.get_tensor(k) for k in keys}, state
 
 
-def save_training_state(path, step, modules, optimizers, generators, extra):
+def trained_tensors(modules, optimizers):
+    """({name: tensor} of the trainable weights and the optimiser moments, {optimiser: its
+    param_groups}), parameters numbered in the optimiser's order. Sharded modules (FSDP) are
+    gathered whole to rank 0's CPU: every rank must call, and the other ranks get ({}, {})."""
+    box = torch.nn.ModuleDict(modules)
+    trainable = [name for name, p in box.named_parameters() if p.requires_grad]
+    flat, groups = {}, {}
+    if not any(distributed.is_sharded(p) for p in box.parameters()):
+        weights = {name: p for name, p in box.named_parameters()}
+        states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(box, options=options)
+        states = {name: numbered(get_optimizer_state_dict(box, optimizer, options=options))
+                  for name, optimizer in optimizers.items()}
+    flat = {f"module/{name.replace('.', '/', 1)}": weights[name]
+            for name in trainable if name in weights}
+    for name, sd in states.items():
+        if sd:
+            groups[name] = sd["param_groups"]
+        for idx, slots in sd.get("state", {}).items():
+            flat |= {f"optim/{name}/{idx}/{k}": torch.as_tensor(v) for k, v in slots.items()}
+    return flat, groups
+
+
+def numbered(state_dict):
+    """An optimiser state dict keyed by parameter names (FSDP's full state dict) → keyed by the
+    parameters' positions, as `optimizer.state_dict()` keys them."""
+    if not state_dict:
+        return {}
+    order = [name for group in state_dict["param_groups"] for name in group["params"]]
+    position = {name: k for k, name in enumerate(order)}
+    groups = [group | {"params": [position[n] for n in group["params"]]}
+              for group in state_dict["param_groups"]]
+    return {"state": {position[n]: v for n, v in state_dict["state"].items()},
+            "param_groups": groups}
+
+
+def save_training_state(path, step, modules, optimizers, generators, extra, write=True):
     """Everything a run needs to continue bit-exactly, in one atomic checkpoint: trainable weights
     (only the adapter under LoRA), optimiser moments, the torch/python/numpy RNGs and named
-    `torch.Generator`s, the step, and a JSON `extra` (metrics so far, first-evaluation results)."""
-    flat = {}
-    for name, module in modules.items():
-        flat |= {f"module/{name}/{k}": v for k, v in module.named_parameters() if v.requires_grad}
-    groups = {}
-    for name, optimizer in optimizers.items():
-        sd = optimizer.state_dict()
-        groups[name] = sd["param_groups"]
-        for idx, slots in sd["state"].items():
-            flat |= {f"optim/{name}/{idx}/{k}": torch.as_tensor(v) for k, v in slots.items()}
+    `torch.Generator`s, the step, and a JSON `extra` (metrics so far, first-evaluation results).
+    Sharded modules are gathered first, so every rank calls; only `write` writes the file."""
+    flat, groups = trained_tensors(modules, optimizers)
+    torch_rngs = [torch.get_rng_state()]
+    if torch.distributed.is_initialized():  # each rank's own (its dropout masks are its own)
+        torch_rngs = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(torch_rngs, torch.get_rng_state())
+    if not write:
+        return
     flat |= {f"rng/{name}": g.get_state() for name, g in generators.items()}
-    flat["rng/torch"] = torch.get_rng_state()
+    flat |= {f"rng/torch/{rank}": state for rank, state in enumerate(torch_rngs)}
+    flat["rng/torch"] = torch_rngs[0].clone()
     if torch.cuda.is_available():  # every visible GPU's generator, so a GPU resume is exact too
         flat |= {f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     numpy_state = np.random.get_state()
@@ -204,28 +250,48 @@ def save_training_state(path, step, modules, optimizers, generators, extra):
 
 
 def load_training_state(path, modules, optimizers, generators):
-    """Restore what `save_training_state` wrote into the given objects; returns (step, extra)."""
-    flat, state = load_checkpoint(path)
-    for name, module in modules.items():
-        prefix = f"module/{name}/"
-        saved = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
-        missing = {k for k, v in module.named_parameters() if v.requires_grad} - set(saved)
-        if missing:
-            raise SystemExit(
-                f"error: {path} does not match this run's {name} ({len(missing)} weights missing); "
-                "resume with the same flags, or start without --resume"
-            )
-        module.load_state_dict(saved, strict=False)
+    """Restore what `save_training_state` wrote into the given objects; returns (step, extra).
+    Sharded modules: rank 0 reads the weights and moments and sends each rank its shards."""
+    box = torch.nn.ModuleDict(modules)
+    sharded = any(distributed.is_sharded(p) for p in box.parameters())
+    rank0 = not sharded or torch.distributed.get_rank() == 0
+    flat, state = load_checkpoint(path, everything=rank0)
+    saved = {k[len("module/"):].replace("/", ".", 1): v
+             for k, v in flat.items() if k.startswith("module/")}
+    trainable = {name for name, p in box.named_parameters() if p.requires_grad}
+    missing = trainable - set(saved)
+    if rank0 and missing:
+        raise SystemExit(
+            f"error: {path} does not match this run's weights ({len(missing)} missing); "
+            "resume with the same flags, or start without --resume"
+        )
+    names = {id(p): name for name, p in box.named_parameters()}
     for name, optimizer in optimizers.items():
         slots = {}
         for key, value in flat.items():
             if key.startswith(f"optim/{name}/"):
                 _, _, idx, slot = key.split("/", 3)
                 slots.setdefault(int(idx), {})[slot] = value
-        optimizer.load_state_dict({"state": slots, "param_groups": state["param_groups"][name]})
+        sd = {"state": slots, "param_groups": state["param_groups"][name]}
+        if not sharded:
+            optimizer.load_state_dict(sd)
+            continue
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        named = {"state": {order[k]: v for k, v in slots.items()}, "param_groups": [
+            group | {"params": [order[k] for k in group["params"]]}
+            for group in sd["param_groups"]]}
+        set_model_state_dict(box, saved if rank0 else {}, options=options)
+        set_optimizer_state_dict(box, optimizer, named if rank0 else {}, options=options)
+    if not sharded:
+        box.load_state_dict(saved, strict=False)
     for name, generator in generators.items():
         generator.set_state(flat[f"rng/{name}"])
-    torch.set_rng_state(flat["rng/torch"])
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.set_rng_state(flat.get(f"rng/torch/{rank}", flat["rng/torch"]))
     cuda_keys = [f"rng/cuda/{i}" for i in range(torch.cuda.device_count())]
     if cuda_keys and all(key in flat for key in cuda_keys):
         torch.cuda.set_rng_state_all([flat[key] for key in cuda_keys])
@@ -330,9 +396,10 @@ class Run:
         self.logger.log(step, **record)
         save_every = self.args.save_every
         due = step % save_every == 0 or step == self.total_steps if save_every else False
-        if due and self.main_process:
+        if due:  # every rank: a sharded model is gathered to rank 0, which writes
             save_training_state(self.checkpoint, step, *self.state,
-                                extra=(extra or {}) | {"records": self.logger.records})
+                                extra=(extra or {}) | {"records": self.logger.records},
+                                write=self.main_process)
 
     def finish(self, summary, plots=()):
         return self.logger.finish(summary, plots)
