@@ -44,8 +44,9 @@ Deviations (numbered, on purpose):
        on disjoint mini-batches of each rollout batch (`--minibatches`; w acts from the second),
        at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32
        prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B-Instruct (original:
-       the base Qwen2.5-7B; 32B in the paper too). Prompts are not capped (the original truncates
-       them on the left at 2048 tokens).
+       the base Qwen2.5-7B; 32B in the paper too). `--preset full-7b` keeps the original's model,
+       batch and 8k lengths, sharded over the GPUs (`--fsdp`). Prompts are not capped (the original
+       truncates them on the left at 2048 tokens).
     8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
        truncation, so what it draws is what the trainer scores.
     9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token),
@@ -66,6 +67,8 @@ Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N flowrl.py --preset full ...
+The original's 7B full fine-tune, sharded over 8 GPUs (FSDP; per-GPU plan in docs/full_scale.md):
+    accelerate launch --num_processes 8 flowrl.py --preset full-7b --data train.jsonl ...
 Sample from the trained policy (full preset; a plain causal LM folder, no log Z head):
     python -m utils.sample runs/flowrl/policy "What is 7 + 5?"
 """
@@ -184,6 +187,11 @@ PRESETS = {
         max_new_tokens=10, beta=1.0, reward_norm="group", lr=6e-6, logz_lr=1e-4, gen_batch=256,
         eval_every=1000),
 }
+# The original's model and shapes (512 prompts × G 8, 8k new tokens), sharded over the GPUs
+# (--fsdp; the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`.
+PRESETS["full-7b"] = PRESETS["full"] | dict(
+    model="Qwen/Qwen2.5-7B", prompts_per_step=512, max_new_tokens=8192, micro_batch_tokens=16384,
+    fsdp=True)
 
 
 # ------------------------ the math: trajectory balance with a learned log Z, and the GRPO baseline

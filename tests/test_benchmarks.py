@@ -26,14 +26,18 @@ def test_gpu_check_runs_each_scripts_own_train_with_tiny_configs_on_cpu():
     assert rows[2]["rollout_images_per_s"] > 0 and rows[2]["update_images_per_s"] > 0
 
 
-def test_gpu_check_plans_the_real_jobs_within_one_h200():
-    """The plan (weights, gradients and AdamW, KV cache, one micro-batch's activations and logits)
-    of the full-size jobs at the presets' micro-batch budgets stays under 141 GB."""
+def test_gpu_check_plans_every_full_scale_llm_preset_within_one_h200():
+    """The plan (weights, gradients and AdamW, the reference, the KV cache, one micro-batch's
+    activations and logits) of flowrl's full and rc_grpo's bfcl on one GPU, and of flowrl's
+    full-7b per GPU of 8 under FSDP in both its phases, stays under 141 GB."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan"], cwd=ROOT,
         capture_output=True, text=True, timeout=120)
-    plans = [json.loads(line)["planned_peak_gib"] for line in done.stdout.splitlines()]
-    assert len(plans) == 2 and all(0 < plan["total"] < 141e9 / 2**30 for plan in plans), plans
+    plans = {json.loads(line)["preset"]: json.loads(line)["planned_peak_gib"]
+             for line in done.stdout.splitlines()}
+    sharded = plans.pop("flowrl full-7b (qwen2.5-7b, fsdp, per gpu of 8)")
+    totals = [plan["total"] for plan in [*plans.values(), sharded["update"], sharded["rollout"]]]
+    assert len(totals) == 4 and all(0 < total < 141e9 / 2**30 for total in totals), plans
 
 
 def test_rollout_throughput_counts_the_generated_tokens():

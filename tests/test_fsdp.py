@@ -55,14 +55,14 @@ def test_sharded_toy_trains_what_one_process_trains(tmp_path):
 
 
 def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path):
-    """SmolLM2 on the full preset's path (chat template, EOS, checkpointing). The ranks' rows are 65
-    and 68 tokens wide, so a 134-token budget packs rank 0's four rows in 2 micro-batches and rank
-    1's in 4: rank 0 runs 2 empty ones, or every all-gather after its second would wait forever
-    (the subprocess timeout fails the test instead)."""
+    """SmolLM2 on the full preset's path (chat template, EOS, checkpointing). The ranks' rows are 59
+    and 62 tokens wide, so a 120-token budget packs rank 0's two rows in 1 micro-batch and rank
+    1's in 2: rank 0 runs an empty one, or rank 1's second all-gather would wait forever (the
+    subprocess timeout fails the test instead)."""
     flags = ["flowrl", "--preset", "full", "--model", "smollm2", "--data", MATH, "--algo", "grpo",
-             "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--minibatches", "1",
-             "--max-new-tokens", "12", "--micro-batch-tokens", "134", "--lr", "1e-5",
-             "--eval-every", "100", "--mixed-precision", "fp32"]
+             "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
+             "--max-new-tokens", "6", "--micro-batch-tokens", "120", "--lr", "1e-5",
+             "--eval-every", "100", "--save-every", "0", "--mixed-precision", "fp32"]
     _, initial = models.load_causal_lm("smollm2", torch.device("cpu"))
     assert_same_training(tmp_path, flags, initial)
 
@@ -83,7 +83,7 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     the saved policy reloads with from_pretrained to the trained weights."""
     save_tiny_math_model(tmp_path / "tiny")
     flags = ["--preset", "full", "--model", str(tmp_path / "tiny"), "--data", MATH,
-             "--eval-data", MATH, "--eval-k", "2", "--steps", "5", "--prompts-per-step", "2",
+             "--eval-data", MATH, "--eval-k", "2", "--steps", "4", "--prompts-per-step", "2",
              "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "6", "--lr", "1e-3",
              "--logz-lr", "1e-2", "--warmup-steps", "0", "--eval-every", "100", "--save-every",
              "1", "--mixed-precision", "bf16", "--fsdp", "--quiet", "--device", "cpu"]
@@ -104,15 +104,16 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     killed.wait()
     from utils import tracking
 
-    assert tracking.checkpoint_state(checkpoint)["step"] < 5, "finished before it was killed"
+    assert tracking.checkpoint_state(checkpoint)["step"] < 4, "finished before it was killed"
     subprocess.run(run("killed", "--resume"), check=True, cwd=ROOT, capture_output=True,
                    timeout=300, env=env)
 
     def ended(name):
         summary = json.loads((tmp_path / f"{name}-run" / "summary.json").read_text())
+        lines = (tmp_path / f"{name}-run" / "metrics.jsonl").read_text().splitlines()
         records = [{k: v for k, v in json.loads(line).items()
                     if k != "sec" and not k.startswith("time_")}  # wall-clock seconds
-                   for line in (tmp_path / f"{name}-run" / "metrics.jsonl").read_text().splitlines()]
+                   for line in lines]
         summary = {k: v for k, v in summary.items() if k not in ("wall_seconds", "peak_rss_mb")}
         return summary, records
 
@@ -129,3 +130,13 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     reloaded = common.completion_logprobs(saved, ids, torch.ones_like(ids), 8)
     in_memory = common.completion_logprobs(trained, ids, torch.ones_like(ids), 8)
     assert (reloaded - in_memory).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4"]], ids=["one-process", "lora"])
+def test_fsdp_in_one_process_or_with_lora_is_one_line(extra, tmp_path):
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
+        "--fsdp", "--quiet", "--device", "cpu", "--out-dir", str(tmp_path), *extra])
+    with pytest.raises(SystemExit) as exit_info:
+        flowrl.train(args)
+    message = str(exit_info.value)
+    assert message.startswith("error: --fsdp") and "\n" not in message, message

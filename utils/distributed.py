@@ -43,8 +43,8 @@ def local_groups(num_groups, accelerator):
 def sampling_seed(seed, step, stream):
     """A seed for one stream of rollout noise at one step (a group, or a rank's share of the step):
     distinct across streams, so no two ranks share noise, and recomputed from (seed, step) after a
-    resume."""
-    return (seed * 1_000_003 + step) * 100_003 + stream
+    resume. Kept below 2⁶³ (a torch seed is 64-bit), so a seed made from another one still fits."""
+    return ((seed * 1_000_003 + step) * 100_003 + stream) % 2**63
 
 
 def average_gradients(params, accelerator):
