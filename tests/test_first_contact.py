@@ -4,6 +4,7 @@ trainer, activation checkpointing, token budgets that hold, and mini-batches tha
 import dataclasses
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -27,8 +28,14 @@ TOYS = {
 }
 
 
-def first_step(tmp_path, name, *extra):
+def first_step(tmp_path, name, *extra, stage_one_from=None):
+    """The first logged step of a toy run. stage_one_from: an rc_grpo run folder whose stage 1
+    (the same flags) this run loads with --resume instead of training it again."""
     module, flags, metrics = TOYS[name]
+    if stage_one_from:
+        tmp_path.mkdir(parents=True)
+        shutil.copy(stage_one_from / "stage1.safetensors", tmp_path / "stage1.safetensors")
+        extra = (*extra, "--resume")
     args = cli.parse_args(module.Args, module.PRESETS,
                           [*flags, *extra, "--quiet", "--out-dir", str(tmp_path)])
     module.train(args)
@@ -50,9 +57,13 @@ VARIED = {"rc_grpo": ["--toy-tasks", "240", "--tasks-per-step", "8"]}
 
 @pytest.mark.parametrize("name", list(TOYS))
 def test_gradient_checkpointing_gives_the_same_gradient(tmp_path, name):
+    """The first update's gradient norm with and without recomputation (rc_grpo: stage 2's, both
+    runs from one stage 1)."""
     varied = VARIED.get(name, [])
     plain = first_step(tmp_path / "off", name, *varied, "--no-gradient-checkpointing")
-    recomputed = first_step(tmp_path / "on", name, *varied, "--gradient-checkpointing")
+    shared = tmp_path / "off" if name == "rc_grpo" else None
+    recomputed = first_step(tmp_path / "on", name, *varied, "--gradient-checkpointing",
+                            stage_one_from=shared)
     assert plain["grad_norm"] > 0
     assert abs(recomputed["grad_norm"] - plain["grad_norm"]) <= 1e-5 * plain["grad_norm"]
 
@@ -73,7 +84,7 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     ratio_dev is not 0. flowrl runs its GRPO arm: the log Z head's dropout draws other masks when
     the rows are split otherwise, so TB's loss differs by its noise, not by how it is logged.
     rc_grpo's stage 1 also runs in micro-batches (other roundings, other weights), so only its
-    stage 2 gets the budget."""
+    stage 2 gets the budget, and the second run loads the first one's stage 1."""
     two = {"flowrl": ["--minibatches", "2", "--algo", "grpo"],
            "agentflow": ["--minibatch-rows", "8"]}.get(name, [])
     varied = VARIED.get(name, [])
@@ -85,7 +96,8 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
                 return grpo_arm(budgeted, *rest, **kwargs)
 
             monkeypatch.setattr(rc_grpo, "grpo_arm", stage_2)
-            logged[label] = first_step(tmp_path / label, name, *varied)
+            shared = tmp_path / "one" if label == "several" else None
+            logged[label] = first_step(tmp_path / label, name, *varied, stage_one_from=shared)
             monkeypatch.undo()
         else:
             logged[label] = first_step(

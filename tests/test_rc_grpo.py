@@ -301,9 +301,11 @@ def test_variance_bound_of_proposition_4_3_holds_in_simulation():
 
 
 def test_with_beta_zero_a_row_without_advantage_adds_nothing_to_the_gradient():
-    """grpo_arm leaves such rows unscored: exact only because their gradient is 0."""
-    logp = torch.randn(3, 5, requires_grad=True)
-    old = logp.detach() + 0.1 * torch.randn(3, 5)
+    """grpo_arm leaves such rows unscored: exact only because their gradient is 0. The ratios stay
+    inside the clip range (|log ρ| ≤ 0.05), where every token of a row with A ≠ 0 has a gradient."""
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=gen).requires_grad_()
+    old = logp.detach() + 0.01 * torch.randn(3, 5, generator=gen).clamp(-5, 5)
     advantages, mask = torch.tensor([0.0, 1.0, -1.0]), torch.ones(3, 5)
     loss, stats = rc_grpo.rc_grpo_loss(
         logp, old, None, advantages, mask, clip_eps=0.2, beta=0.0, token_count=15)

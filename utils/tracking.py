@@ -319,7 +319,8 @@ def check_out_dir(out_dir, args, accelerator):
             f"error: --out-dir {str(out_dir)!r} is not a folder this user can write "
             f"({err.strerror or type(err).__name__})") from None
     files = [p for name in RUN_FILES for p in out_dir.rglob(name)]
-    checkpoints = [p for p in files if p.name == "checkpoint.safetensors"]
+    # what --resume continues from: a step's checkpoint, or rc_grpo's finished stage 1
+    checkpoints = [p for p in files if p.name in ("checkpoint.safetensors", "stage1.safetensors")]
     if files and not (args.resume or args.overwrite):
         raise SystemExit(
             f"error: --out-dir {str(out_dir)!r} already holds a run; --resume continues it, "
