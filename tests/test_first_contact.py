@@ -184,6 +184,6 @@ def test_no_generate_call_of_a_run_exceeds_its_token_budget(tmp_path, name, monk
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(GenerationMixin, "generate", recording)
-    first_step(tmp_path, name, *VARIED.get(name, []), "--gen-tokens", "300")
+    first_step(tmp_path, name, "--gen-tokens", "300")
     assert shapes and all(rows * width <= 300 or rows == 1 for rows, width in shapes)
     assert any(rows > 1 for rows, _ in shapes)  # the budget still batches
