@@ -60,7 +60,6 @@ Sample from the trained planner (full preset; a LoRA adapter on --model):
     python -m utils.sample runs/agentflow/planner "Question: ... Plan the next step."
 """
 
-import collections
 import copy
 import dataclasses
 import json
@@ -477,9 +476,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
         #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
         updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
-        num_updates = len(updates)
-        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every update, every micro-batch
-        stat_sums, stat_rows = collections.defaultdict(float), 0
+        metrics = tracking.StepMetrics(updates=len(updates))  # every update, every micro-batch
         for update, minibatch in enumerate(updates):
             optimizer.zero_grad()
             token_count = sum(int(mb.mask.sum()) for mb in minibatch)
@@ -506,20 +503,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                 )
                 common.check_finite(loss, step)
                 loss.backward()
-                logged["loss"] += loss.item() / num_updates
-                deviation = stats.pop("ratio_dev")  # max |ρ − 1| of this micro-batch
-                logged["ratio_dev"] = max(logged["ratio_dev"], deviation)
-                num_micro_rows = len(rows)
-                stat_rows += num_micro_rows
-                for name, value in stats.items():
-                    stat_sums[name] += value * num_micro_rows
-            if update == 0:
-                logged["ratio_dev_first"] = logged["ratio_dev"]  # on-policy: exactly 0
+                metrics.add(len(rows), loss.item(), update=update, **stats)  # stats: ratio_dev, …
             distributed.average_gradients(params, accelerator)  # the update's one collective
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             common.check_finite(grad_norm, step, "gradient norm")
             optimizer.step()
-        stats = {name: total / max(1, stat_rows) for name, total in stat_sums.items()}
         step_gap = common.sampler_gap(every_micro_batch)
         sampler_dev = max(sampler_dev, step_gap)
 
@@ -527,7 +515,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         rewards = rewards.float().to(device)
         rewards = accelerator.gather(rewards)
         rewards = rewards.cpu()
-        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
         record["reward"] = rewards.mean().item()
         record["turn_samples"] = len(samples)
         record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)

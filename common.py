@@ -78,25 +78,37 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_len, *, temperature=1.0,
-                        return_hidden=False):
+def completion_logprobs(model, input_ids, attention_mask, completion_len, *, temperature=1.0):
     """log π(y_t | x, y_<t) of the last `completion_len` tokens of padded sequences → (B, W).
 
     Only the completion's logits are built (`logits_to_keep`), so a long prompt costs no
     vocabulary-sized memory. With a sampling temperature T ≠ 1 the policy is softmax(logits / T), so
     that is what is scored. Position ids follow the attention mask, as `generate` sets them for
-    left-padded prompts. With return_hidden, also the last layer's hidden states (B, L, H) of the
-    same forward pass.
+    left-padded prompts.
     """
+    logp, _ = completion_forward(model, input_ids, attention_mask, completion_len, temperature)
+    return logp
+
+
+def completion_logprobs_and_hidden(model, input_ids, attention_mask, completion_len):
+    """(log π (B, W) as `completion_logprobs` scores it, the last layer's hidden states (B, L, H))
+    of one forward pass: what FlowRL's log Z head reads besides the log-probs."""
+    logp, out = completion_forward(
+        model, input_ids, attention_mask, completion_len, output_hidden_states=True)
+    return logp, out.hidden_states[-1]
+
+
+def completion_forward(model, input_ids, attention_mask, completion_len, temperature=1.0,
+                       output_hidden_states=False):
+    """One forward pass → (the completion's log-probs (B, W), the model's output)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        logits_to_keep=completion_len + 1, output_hidden_states=return_hidden)
+        logits_to_keep=completion_len + 1, output_hidden_states=output_hidden_states)
     logits = out.logits[:, :-1]  # position j scores token j + 1
     if temperature != 1.0:
         logits = logits / temperature
-    logp = token_logprobs(logits, input_ids[:, -completion_len:])
-    return (logp, out.hidden_states[-1]) if return_hidden else logp
+    return token_logprobs(logits, input_ids[:, -completion_len:]), out
 
 
 def eos_token_ids(model, tokenizer):

@@ -68,7 +68,6 @@ import functools
 import itertools
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -455,9 +454,8 @@ def train(args):
     updates = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
     num_prompts = len(task.prompts)
     rollouts_per_epoch = args.prompts_per_epoch * args.group_size
+    phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     for epoch in range(start, args.epochs + 1):
-        # each phase's end, logged as seconds (the benchmarks read them)
-        clock = [time.perf_counter()]
         # ALGO LOGIC
         # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank
         #    draws the whole batch's prompts and noise from one generator and keeps its rows:
@@ -475,13 +473,14 @@ def train(args):
 
         # 2. SDE rollouts (Eq. 9) in the training micro-batch shape (DEVIATION 6):
         #    latents (T+1, n, ...) and the sampler's per-step log-probs (T, n)
-        latents, old_logp = sde_rollouts(
-            velocity, noise, train_sigmas, cond, empty, micro=micro_rows, args=args)
-        clock.append(time.perf_counter())
+        with phases.time("rollout"):
+            latents, old_logp = sde_rollouts(
+                velocity, noise, train_sigmas, cond, empty, micro=micro_rows, args=args)
 
         # 3. rewards → group advantages (Eq. 4), shared by every step of a trajectory
-        images = task.decode(latents[-1])
-        rewards = score(task.reward, images, prompts, args.reward)
+        with phases.time("prepare"):
+            images = task.decode(latents[-1])
+            rewards = score(task.reward, images, prompts, args.reward)
         all_rewards = rewards.to(device)
         all_rewards = accelerator.gather(all_rewards)  # the whole batch's (global std)
         all_rewards = all_rewards.cpu()
@@ -489,7 +488,6 @@ def train(args):
             all_rewards, args.group_size, scale=args.adv_std, unbiased=False)
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         advantages = advantages[my_rows].to(device)
-        clock.append(time.perf_counter())
 
         # 4. `minibatches` optimiser steps, each over all trained steps of its
         #    samples: the clipped objective (Eq. 5) at every trained step j
@@ -503,61 +501,62 @@ def train(args):
         # every rank takes the same `minibatches` steps, however many of its rows are left
         minibatches = torch.tensor_split(order, args.minibatches)
         alone = accelerator.num_processes == 1
-        for m, minibatch in enumerate(minibatches):
-            if alone and not len(minibatch):  # e.g. every A = 0, dropped
-                continue
-            optimizer.zero_grad()
-            micro_batches = minibatch.split(micro_rows)
-            for rows, j in itertools.product(micro_batches, range(trained_steps)):
-                sub_cond = tuple(c[rows] for c in cond)
-                sub_empty = tuple(e[rows] for e in empty)
-                x = latents[j][rows]
-                x_next = latents[j + 1][rows]
-                sigma = train_sigmas[j]
-                sigma_next = train_sigmas[j + 1]
-                step_old_logp = old_logp[j][rows]
-                v = guided_velocity(
-                    velocity, x, sigma, sub_cond, sub_empty, args.guidance)
-                v_ref = None  # β = 0 needs no reference
-                if args.beta:
-                    with torch.no_grad():
-                        v_ref = guided_velocity(
-                            task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
-                loss, logp, stats = step_loss(
-                    v,
-                    v_ref,
-                    x,
-                    x_next,
-                    sigma=sigma,
-                    sigma_next=sigma_next,
-                    old_logp=step_old_logp,
-                    advantages=advantages[rows],
-                    args=args,
-                )
-                if m == 0:  # nothing updated yet: scores what the rollout drew
-                    gap = (logp.detach() - step_old_logp).abs().max()
-                    sampler_dev = max(sampler_dev, gap.item())
-                common.check_finite(loss, epoch)
-                # its share of the mini-batch's mean over samples and steps
-                scaled = loss * len(rows) / len(minibatch) / trained_steps
-                scaler.scale(scaled).backward()
-                num_terms += 1
-                for name, value in stats.items():
-                    stat_sums[name] += value
-            # the EMA steps once per training batch (a --micro-batch chunk, the same count on every
-            # rank), as the original: the chunks before the optimiser step see the weights before it
-            num_chunks = distributed.max_over_ranks(len(micro_batches), accelerator)
-            for _ in range(num_chunks - 1):
+        with phases.time("update"):
+            for m, minibatch in enumerate(minibatches):
+                if alone and not len(minibatch):  # e.g. every A = 0, dropped
+                    continue
+                optimizer.zero_grad()
+                micro_batches = minibatch.split(micro_rows)
+                for rows, j in itertools.product(micro_batches, range(trained_steps)):
+                    sub_cond = tuple(c[rows] for c in cond)
+                    sub_empty = tuple(e[rows] for e in empty)
+                    x = latents[j][rows]
+                    x_next = latents[j + 1][rows]
+                    sigma = train_sigmas[j]
+                    sigma_next = train_sigmas[j + 1]
+                    step_old_logp = old_logp[j][rows]
+                    v = guided_velocity(
+                        velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                    v_ref = None  # β = 0 needs no reference
+                    if args.beta:
+                        with torch.no_grad():
+                            v_ref = guided_velocity(
+                                task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                    loss, logp, stats = step_loss(
+                        v,
+                        v_ref,
+                        x,
+                        x_next,
+                        sigma=sigma,
+                        sigma_next=sigma_next,
+                        old_logp=step_old_logp,
+                        advantages=advantages[rows],
+                        args=args,
+                    )
+                    if m == 0:  # nothing updated yet: scores what the rollout drew
+                        gap = (logp.detach() - step_old_logp).abs().max()
+                        sampler_dev = max(sampler_dev, gap.item())
+                    common.check_finite(loss, epoch)
+                    # its share of the mini-batch's mean over samples and steps
+                    scaled = loss * len(rows) / len(minibatch) / trained_steps
+                    scaler.scale(scaled).backward()
+                    num_terms += 1
+                    for name, value in stats.items():
+                        stat_sums[name] += value
+                # the EMA steps once per training batch (a --micro-batch chunk, the same count on
+                # every rank), as the original: the chunks before the optimiser step see the
+                # weights before it
+                num_chunks = distributed.max_over_ranks(len(micro_batches), accelerator)
+                for _ in range(num_chunks - 1):
+                    ema_update(ema, params, args.ema, updates)
+                # the step's one collective; then clip the true gradient (inf/NaN: skipped)
+                distributed.average_gradients(params, accelerator)
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+                updates += 1
                 ema_update(ema, params, args.ema, updates)
-            # the step's one collective; then clip the true gradient (inf/NaN: skipped)
-            distributed.average_gradients(params, accelerator)
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            updates += 1
-            ema_update(ema, params, args.ema, updates)
-        clock.append(time.perf_counter())
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         num_terms = max(1, num_terms)
@@ -568,7 +567,7 @@ def train(args):
         record["zero_var_frac"] = zero_var
         record["sampler_logprob_max_dev"] = sampler_dev
         record["trained_samples"] = len(order)
-        record |= tracking.phase_seconds(clock)  # 1-2, 3 (decode, rewards), 4
+        record |= phases.seconds()  # 2, 3's decode and rewards, 4
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             with swapped(params, ema):
                 metrics, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)

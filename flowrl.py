@@ -73,11 +73,9 @@ Sample from the trained policy (full preset; a plain causal LM folder, no log Z 
     python -m utils.sample runs/flowrl/policy "What is 7 + 5?"
 """
 
-import collections
 import copy
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -254,12 +252,13 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip
     N_tokens, with the dual clip at c·|A| for A < 0 when c > 0 (verl's).
 
     ρ_t = exp(logp − old_logp) per token; N_tokens counts the mini-batch's completion tokens
-    (token-mean), so micro-batches add up to the one-shot loss. Returns (loss, stats)."""
+    (token-mean), so micro-batches add up to the one-shot loss. Returns (loss, stats), the
+    clip fraction a 0-d tensor."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], dual_clip)
-    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item()}
+    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask)}
     return (pg_loss * mask).sum() / token_count, stats
 
 
@@ -383,187 +382,166 @@ def train(args):
     else:
         first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
     sampler_dev, final = extra.get("sampler_dev", 0.0), {}
+    phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
-        # each phase's end, logged as seconds (the benchmarks read them)
-        clock = [time.perf_counter()]
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
-        picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
-        picked = picked[mine.start : mine.stop].tolist()
-        seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
-        group_prompts = [task.prompts[i] for i in picked]
-        with distributed.unsharded(model):  # --fsdp: gathered once, not per token
-            samples = sample_groups(
-                model,
-                tokenizer,
-                group_prompts,
-                group_size=args.group_size,
-                seeds=seeds,
-                args=args,
-                stop_at_eos=task.kind != "valleys",
-            )
-        prompt_ids = [i for i in picked for _ in range(args.group_size)]
-        prompts = [task.prompts[i] for i in prompt_ids]
-        texts = [text for text, _, _ in samples]
-        completions = [ids for _, ids, _ in samples]
-        sampler_logps = [logp for _, _, logp in samples]
-        clock.append(time.perf_counter())
+        with phases.time("rollout"):
+            picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
+            picked = picked[mine.start : mine.stop].tolist()
+            seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
+            group_prompts = [task.prompts[i] for i in picked]
+            with distributed.unsharded(model):  # --fsdp: gathered once, not per token
+                samples = sample_groups(
+                    model,
+                    tokenizer,
+                    group_prompts,
+                    group_size=args.group_size,
+                    seeds=seeds,
+                    args=args,
+                    stop_at_eos=task.kind != "valleys",
+                )
+            prompt_ids = [i for i in picked for _ in range(args.group_size)]
+            prompts = [task.prompts[i] for i in prompt_ids]
+            texts = [text for text, _, _ in samples]
+            completions = [ids for _, ids, _ in samples]
+            sampler_logps = [logp for _, _, logp in samples]
 
-        # 2. rewards r
-        rewards = [task.reward(i, text) for i, text in zip(prompt_ids, texts)]
-        rewards = torch.tensor(rewards)
+        with phases.time("prepare"):
+            # 2. rewards r
+            rewards = [task.reward(i, text) for i, text in zip(prompt_ids, texts)]
+            rewards = torch.tensor(rewards)
 
-        # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
-        #    π_old = the trainer's no-grad forward before any update where samples are reused
-        #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
-        model.train()
-        reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
-        minibatches = []
-        for rows in common.split_minibatches(len(samples), args.minibatches):
-            micro_batches = common.scored_micro_batches(
-                tokenizer,
-                prompts,
-                completions,
-                sampler_logps=sampler_logps,
-                token_budget=args.micro_batch_tokens,
-                device=device,
-                model=model,
-                reference=ref_model,
-                with_old=reused,
-                with_reference=args.algo != "grpo",
-                precision=args.mixed_precision,
-                rows=rows,
-                equal_count=equal_count,
-            )
-            minibatches.append(micro_batches)
-        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
+            # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
+            #    π_old = the trainer's no-grad forward before any update where samples are reused
+            #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
+            model.train()
+            reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
+            minibatches = []
+            for rows in common.split_minibatches(len(samples), args.minibatches):
+                micro_batches = common.scored_micro_batches(
+                    tokenizer,
+                    prompts,
+                    completions,
+                    sampler_logps=sampler_logps,
+                    token_budget=args.micro_batch_tokens,
+                    device=device,
+                    model=model,
+                    reference=ref_model,
+                    with_old=reused,
+                    with_reference=args.algo != "grpo",
+                    precision=args.mixed_precision,
+                    rows=rows,
+                    equal_count=equal_count,
+                )
+                minibatches.append(micro_batches)
+            every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
-        # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
-        reward_hat = rewards
-        if args.reward_norm == "group":
-            reward_hat = common.group_advantages(rewards, args.group_size)
-        reward_hat = reward_hat.to(device)
-        # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
-        #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
-        shaped = rewards
-        if args.algo == "grpo-kl":
-            old_logps = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
-            ref_logps = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
-            old_logps = torch.cat(old_logps).cpu()
-            ref_logps = torch.cat(ref_logps).cpu()
-            lengths = [len(c) for c in completions]  # |y|
-            lengths = torch.tensor(lengths).clamp(min=1)
-            shaped = kl_regularised_reward(rewards, old_logps, ref_logps, lengths, args.beta)
-        advantages = common.group_advantages(shaped, args.group_size)
-        advantages = advantages.to(device)
-        clock.append(time.perf_counter())
+            # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
+            reward_hat = rewards
+            if args.reward_norm == "group":
+                reward_hat = common.group_advantages(rewards, args.group_size)
+            reward_hat = reward_hat.to(device)
+            # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
+            #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
+            shaped = rewards
+            if args.algo == "grpo-kl":
+                old_logps = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
+                ref_logps = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
+                old_logps = torch.cat(old_logps).cpu()
+                ref_logps = torch.cat(ref_logps).cpu()
+                lengths = [len(c) for c in completions]  # |y|
+                lengths = torch.tensor(lengths).clamp(min=1)
+                shaped = kl_regularised_reward(rewards, old_logps, ref_logps, lengths, args.beta)
+            advantages = common.group_advantages(shaped, args.group_size)
+            advantages = advantages.to(device)
 
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
         updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
-        num_updates = len(updates)
-        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every update, every micro-batch
-        stat_sums, stat_rows = collections.defaultdict(float), 0
+        metrics = tracking.StepMetrics(updates=len(updates))  # every update, every micro-batch
         warm_up(optimizer, step, args)
-        for update, minibatch in enumerate(updates):
-            optimizer.zero_grad()
-            num_rows = sum(len(mb.rows) for mb in minibatch)
-            token_count = sum(int(mb.mask.sum()) for mb in minibatch)
-            token_count = max(1, token_count)
-            for k, mb in enumerate(minibatch):
-                last = k == len(minibatch) - 1
-                distributed.sync_gradients(model, last)  # --fsdp: reduce once
-                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                completion_len = mask.shape[1]
-                prompt_len = ids.shape[1] - completion_len
-                with autocast:
-                    scored = common.completion_logprobs(  # (B, W), and hidden (B, P+W, H)
-                        model,
-                        ids,
-                        attn,
-                        completion_len,
-                        return_hidden=args.algo == "flowrl",
-                    )
-                logp, hidden = scored if args.algo == "flowrl" else (scored, None)
-                if not rows:  # --fsdp padding: the same passes on every rank
-                    (logp.sum() * 0).backward()
-                    continue
-                if mb.old_logp is None:  # on-policy: π_old is exactly this forward
-                    mb.old_logp = logp.detach()
-                if args.algo == "flowrl":  # the TB residual, squared and weighted by w
-                    logp_sum = sequence_logprob(logp, mask)
-                    old_sum = sequence_logprob(mb.old_logp, mask)
-                    log_ratio = logp_sum.detach() - old_sum
-                    ratio = torch.exp(log_ratio)  # the unclipped π_θ(y|x)/π_old(y|x)
-                    weight = importance_weight(logp_sum, old_sum, args.clip_eps)
-                    prompt_hidden = hidden[:, :prompt_len]
-                    prompt_mask = attn[:, :prompt_len].float()
-                    log_z = head(prompt_hidden, prompt_mask, args.detach_logz)  # log Z_φ(x), (B,)
-                    logp_norm = sequence_logprob(logp, mask, length_normalize=True)
-                    ref_norm = sequence_logprob(mb.ref_logp, mask, length_normalize=True)
-                    loss, residual = trajectory_balance_loss(
-                        log_z,
-                        logp_norm,
-                        ref_norm,
-                        reward_hat[rows],
-                        beta=args.beta,
-                        weight=weight,
-                        num_rows=num_rows,
-                    )
-                    stats = {
-                        "log_z": log_z.detach(),
-                        "w_mean": weight,
-                        "residual_abs": residual.detach().abs(),
-                    }
-                else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                    log_ratio = (logp.detach() - mb.old_logp) * mask
-                    ratio = torch.exp(log_ratio)  # per token
-                    loss, stats = grpo_loss(
-                        logp,
-                        mb.old_logp,
-                        advantages[rows],
-                        mask,
-                        clip_eps=args.clip_eps,
-                        token_count=token_count,
-                        dual_clip=args.dual_clip,
-                    )
-                common.check_finite(loss, step)
-                loss.backward()
-                logged["loss"] += loss.item() / num_updates
-                deviation = (ratio - 1).abs().max()
-                logged["ratio_dev"] = max(logged["ratio_dev"], deviation.item())
-                num_micro_rows = len(rows)
-                stat_rows += num_micro_rows
-                for name, value in stats.items():  # a row mean: a tensor per row, or a float
-                    stat_sums[name] += torch.as_tensor(value).float().mean() * num_micro_rows
-            if update == 0:
-                logged["ratio_dev_first"] = logged["ratio_dev"]  # on-policy: exactly 0
-            distributed.average_gradients(trained, accelerator)  # the update's one collective
-            grad_norm = distributed.clip_grad_norm(trained, 1.0)  # log Z head included
-            common.check_finite(grad_norm, step, "gradient norm")
-            optimizer.step()
-        stats = {name: float(total / stat_rows) for name, total in stat_sums.items()}
+        with phases.time("update"):
+            for update, minibatch in enumerate(updates):
+                optimizer.zero_grad()
+                num_rows = sum(len(mb.rows) for mb in minibatch)
+                token_count = sum(int(mb.mask.sum()) for mb in minibatch)
+                token_count = max(1, token_count)
+                # --fsdp: one gradient reduction, the empty micro-batches' passes (the iterator's)
+                for mb in distributed.micro_batches(model, minibatch, autocast):
+                    ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+                    completion_len = mask.shape[1]
+                    prompt_len = ids.shape[1] - completion_len
+                    with autocast:
+                        if args.algo == "flowrl":  # log Z reads the prompt's hidden states
+                            logp, hidden = common.completion_logprobs_and_hidden(  # (B, P+W, H)
+                                model, ids, attn, completion_len)
+                        else:
+                            logp = common.completion_logprobs(model, ids, attn, completion_len)
+                    if mb.old_logp is None:  # on-policy: π_old is exactly this forward
+                        mb.old_logp = logp.detach()
+                    if args.algo == "flowrl":  # the TB residual, squared and weighted by w
+                        logp_sum = sequence_logprob(logp, mask)
+                        old_sum = sequence_logprob(mb.old_logp, mask)
+                        log_ratio = logp_sum.detach() - old_sum
+                        ratio = torch.exp(log_ratio)  # the unclipped π_θ(y|x)/π_old(y|x)
+                        weight = importance_weight(logp_sum, old_sum, args.clip_eps)
+                        prompt_hidden = hidden[:, :prompt_len]
+                        prompt_mask = attn[:, :prompt_len].float()
+                        log_z = head(prompt_hidden, prompt_mask, args.detach_logz)  # (B,)
+                        logp_norm = sequence_logprob(logp, mask, length_normalize=True)
+                        ref_norm = sequence_logprob(mb.ref_logp, mask, length_normalize=True)
+                        loss, residual = trajectory_balance_loss(
+                            log_z,
+                            logp_norm,
+                            ref_norm,
+                            reward_hat[rows],
+                            beta=args.beta,
+                            weight=weight,
+                            num_rows=num_rows,
+                        )
+                        stats = {"log_z": log_z.detach(), "w_mean": weight,
+                                 "residual_abs": residual.detach().abs()}
+                    else:  # the clipped surrogate pg_loss1/pg_loss2 on A
+                        log_ratio = (logp.detach() - mb.old_logp) * mask
+                        ratio = torch.exp(log_ratio)  # per token
+                        loss, stats = grpo_loss(
+                            logp,
+                            mb.old_logp,
+                            advantages[rows],
+                            mask,
+                            clip_eps=args.clip_eps,
+                            token_count=token_count,
+                            dual_clip=args.dual_clip,
+                        )
+                    common.check_finite(loss, step)
+                    loss.backward()
+                    ratio_dev = (ratio - 1).abs().max().item()
+                    metrics.add(len(rows), loss.item(), ratio_dev, update=update, **stats)
+                distributed.average_gradients(trained, accelerator)  # the update's one collective
+                grad_norm = distributed.clip_grad_norm(trained, 1.0)  # log Z head included
+                common.check_finite(grad_norm, step, "gradient norm")
+                optimizer.step()
         step_gap = common.sampler_gap(every_micro_batch)
         sampler_dev = max(sampler_dev, step_gap)
-        clock.append(time.perf_counter())
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         rewards = rewards.to(device)
         rewards = accelerator.gather(rewards)
         rewards = rewards.cpu()
-        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
         record["reward"] = rewards.mean().item()
         record["reward_std"] = rewards.std().item()
         record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
         record["grad_norm"] = grad_norm.item()
         record["lr"] = optimizer.param_groups[0]["lr"]
-        record |= tracking.phase_seconds(clock)  # 1, 2-4 (π_old, π_ref), 5
+        record |= phases.seconds()  # 1, 2-4 (π_old, π_ref), 5
         record |= tracking.token_counts(completions, every_micro_batch, args.inner_steps)
         if step % args.eval_every == 0 or step == args.steps:
-            metrics = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
-            final = metrics if step == args.steps else final
-            record |= scalars(metrics)
+            evaluation = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+            final = evaluation if step == args.steps else final
+            record |= scalars(evaluation)
         run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
 
     if not final:  # resumed a finished run

@@ -366,10 +366,9 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     )
     start, extra = run.resume()
     sampler_dev, zero_var = extra.get("sampler_dev", 0.0), extra.get("zero_var", [])
+    phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     num_tasks = len(world.train)
     for step in range(start, args.steps + 1):
-        # each phase's end, logged as seconds (the benchmarks read them)
-        clock = [time.perf_counter()]
         # ALGO LOGIC
         # 1. draw tasks and, per rollout, a token r_j ~ Bernoulli(p) (RC-GRPO, Eq. 3) or a fixed
         #    one (GRPO)
@@ -392,10 +391,10 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action
         #    (Sec. 3.3)
         goals = [reward_goal(t) for t in tokens]
-        runs = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
+        with phases.time("rollout"):
+            runs = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
         rewards = [r["reward"] for r in runs]
         rewards = torch.tensor(rewards)
-        clock.append(time.perf_counter())
 
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
         #    population std (App. A.2)
@@ -415,59 +414,51 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         model.train()
         scored = [k for k, a in enumerate(sample_advantages) if a or args.beta]
         sample_advantages = torch.tensor(sample_advantages, device=model.device)
-        micro_batches = common.scored_micro_batches(
-            tokenizer,
-            prompts,
-            completions,
-            sampler_logps=sampler_logps,
-            token_budget=args.micro_batch_tokens,
-            device=model.device,
-            model=model,
-            reference=reference,
-            temperature=args.temperature,
-            with_old=False,
-            with_reference=bool(args.beta),
-            precision=args.mixed_precision,
-            rows=scored,
-        )
-        clock.append(time.perf_counter())
-        optimizer.zero_grad()
-        logged = {"loss": 0.0, "ratio_dev": 0.0}  # the step's: every micro-batch
-        stat_sums, stat_rows = collections.defaultdict(float), 0
-        for mb in micro_batches:
-            ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-            completion_len = mask.shape[1]
-            with autocast:
-                logp = common.completion_logprobs(  # (B, W)
-                    model, ids, attn, completion_len, temperature=args.temperature)
-            mb.old_logp = logp.detach()  # π_old: exactly this forward
-            loss, stats = rc_grpo_loss(
-                logp,
-                mb.old_logp,
-                mb.ref_logp,
-                sample_advantages[rows],
-                mask,
-                clip_eps=args.clip_eps,
-                beta=args.beta,
-                token_count=token_count,
+        with phases.time("prepare"):
+            micro_batches = common.scored_micro_batches(
+                tokenizer,
+                prompts,
+                completions,
+                sampler_logps=sampler_logps,
+                token_budget=args.micro_batch_tokens,
+                device=model.device,
+                model=model,
+                reference=reference,
+                temperature=args.temperature,
+                with_old=False,
+                with_reference=bool(args.beta),
+                precision=args.mixed_precision,
+                rows=scored,
             )
-            common.check_finite(loss, f"{step} of {name}")
-            loss.backward()
-            logged["loss"] += loss.item()
-            deviation = stats.pop("ratio_dev")  # max |ρ − 1| of this micro-batch
-            logged["ratio_dev"] = max(logged["ratio_dev"], deviation)
-            num_micro_rows = len(rows)
-            stat_rows += num_micro_rows
-            for stat, value in stats.items():
-                stat_sums[stat] += value * num_micro_rows
+        metrics = tracking.StepMetrics()  # every micro-batch
+        with phases.time("update"):
+            optimizer.zero_grad()
+            for mb in micro_batches:
+                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
+                completion_len = mask.shape[1]
+                with autocast:
+                    logp = common.completion_logprobs(  # (B, W)
+                        model, ids, attn, completion_len, temperature=args.temperature)
+                mb.old_logp = logp.detach()  # π_old: exactly this forward
+                loss, stats = rc_grpo_loss(
+                    logp,
+                    mb.old_logp,
+                    mb.ref_logp,
+                    sample_advantages[rows],
+                    mask,
+                    clip_eps=args.clip_eps,
+                    beta=args.beta,
+                    token_count=token_count,
+                )
+                common.check_finite(loss, f"{step} of {name}")
+                loss.backward()
+                metrics.add(len(rows), loss.item(), **stats)  # stats: ratio_dev, max |ρ − 1|, …
+            distributed.average_gradients(params, accelerator)  # the one collective of the step
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
+            optimizer.step()
         step_gap = common.sampler_gap(micro_batches)
         sampler_dev = max(sampler_dev, step_gap)
-        distributed.average_gradients(params, accelerator)  # the one collective of the step
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
-        optimizer.step()
-        stats = {stat: total / max(1, stat_rows) for stat, total in stat_sums.items()}
-        clock.append(time.perf_counter())
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
         outcomes = [
@@ -482,14 +473,14 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         low = [o["reward"] for o in outcomes if o["token"] == LOW]
         sampled_logp = [s["old_logp"].sum().item() for s, _ in samples]
         entropy = -sum(sampled_logp) / token_count  # −mean log π of the sampled tokens
-        record = {"sampler_logprob_max_dev": sampler_dev, **logged, **stats}
+        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
         record["reward"] = rewards.mean().item()
         record["zero_var_frac"] = zero_var[-1]
         record["entropy"] = entropy
         record["success_high"] = sum(high) / max(1, len(high))
         record["success_low"] = sum(low) / max(1, len(low))
         record["grad_norm"] = grad_norm.item()
-        record |= tracking.phase_seconds(clock)  # 1-2, 3-4 (π_ref), the update
+        record |= phases.seconds()  # 2, 4's π_ref, the update
         record |= tracking.token_counts(completions, micro_batches)
         record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
         run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})

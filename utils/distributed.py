@@ -4,6 +4,8 @@ that keeps every rank in step whatever its number of micro-batches."""
 
 import torch
 
+import common
+
 
 def setup_accelerator(device_name="auto", timeout_s=1800):
     """Accelerate's process state → (accelerator, device). One process normally; under `accelerate
@@ -141,11 +143,23 @@ class unsharded:
             unit.set_reshard_after_forward(True, recurse=False)
 
 
-def sync_gradients(model, sync):
-    """FSDP: reduce-scatter this backward's gradients (`sync`, a mini-batch's last micro-batch) or
-    keep accumulating them unsharded. A no-op for a model that is not sharded."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+def micro_batches(model, minibatch, autocast):
+    """`for mb in micro_batches(model, minibatch, autocast):` the mini-batch's micro-batches that
+    hold rows, for the loop's forward and backward. For a sharded model (FSDP), whose every forward
+    and backward is a collective: gradients are reduce-scattered on the mini-batch's last backward
+    only (accumulated unsharded before it), and the empty micro-batches that
+    common.scored_micro_batches appended (so every rank runs as many) run their forward and a zero
+    backward here."""
+    sharded = hasattr(model, "set_requires_gradient_sync")
+    for k, mb in enumerate(minibatch):
+        if sharded:
+            model.set_requires_gradient_sync(k == len(minibatch) - 1)
+        if mb.rows:
+            yield mb
+            continue
+        with autocast:
+            logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
+        (logp.sum() * 0).backward()
 
 
 def clip_grad_norm(params, max_norm):

@@ -1,6 +1,8 @@
 """Run plumbing: the logger (config, JSONL metrics, summary, plots, TensorBoard) and checkpoints
 that are atomic and resume bit-exactly."""
 
+import collections
+import contextlib
 import dataclasses
 import io
 import json
@@ -31,11 +33,51 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
-def phase_seconds(clock):
-    """{time_rollout, time_prepare, time_update}: the seconds between a step's clock marks (its
-    start, rollouts done, scoring done, update done), logged for the benchmarks to read."""
-    phases = ("time_rollout", "time_prepare", "time_update")
-    return {name: end - begin for name, begin, end in zip(phases, clock, clock[1:])}
+class Phases:
+    """A step's seconds per phase, logged for the benchmarks to read: `with phases.time("rollout"):`
+    around a phase of the loop; `phases.seconds()` → {time_rollout: s, …} in the order the phases
+    ran, and the next step's count starts from zero."""
+
+    def __init__(self):
+        self.spent = {}
+
+    @contextlib.contextmanager
+    def time(self, name):
+        start = time.perf_counter()
+        yield
+        key = f"time_{name}"
+        self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - start
+
+    def seconds(self):
+        spent, self.spent = self.spent, {}
+        return spent
+
+
+class StepMetrics:
+    """A step's loss statistics, added once per micro-batch and reduced once by `means()`: the loss
+    summed over the step's `updates` optimiser steps (÷ updates: their mean), the largest |ρ − 1|
+    (and the first update's, when `add` is told the update's index), and every other statistic as
+    a mean over rows: a tensor per row, or one number per micro-batch weighted by its rows."""
+
+    def __init__(self, updates=1):
+        self.updates = updates
+        self.loss, self.ratio_dev, self.ratio_dev_first = 0.0, 0.0, None
+        self.sums, self.rows = collections.defaultdict(float), 0
+
+    def add(self, rows, loss, ratio_dev, update=None, **stats):
+        self.loss += loss / self.updates
+        self.ratio_dev = max(self.ratio_dev, ratio_dev)
+        if update == 0:  # on-policy: exactly 0
+            self.ratio_dev_first = self.ratio_dev
+        self.rows += rows
+        for name, value in stats.items():
+            mean = value.float().mean() if torch.is_tensor(value) else value
+            self.sums[name] += mean * rows
+
+    def means(self):
+        first = {} if self.ratio_dev_first is None else {"ratio_dev_first": self.ratio_dev_first}
+        row_means = {name: float(total / max(1, self.rows)) for name, total in self.sums.items()}
+        return {"loss": self.loss, "ratio_dev": self.ratio_dev, **first, **row_means}
 
 
 def token_counts(completions, micro_batches, epochs=1):
