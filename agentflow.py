@@ -221,8 +221,8 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
-    pg_loss = common.dual_clip(pg_loss, advantages[:, None], dual_clip)
+    # the pessimistic branch of the clipped surrogate, capped by the dual clip
+    pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], dual_clip)
     kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0)  # verl's clamp, as the original
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
@@ -237,10 +237,9 @@ def turn_minibatches(num_rows, args, *, step, accelerator):
     --minibatch-rows / N rows as the original code cuts its shuffled batch, so a step takes about
     Σ T_i / 64 optimiser steps. Every rank takes the same number (one all-reduce of the max): a rank
     that runs out takes empty mini-batches, which add zero gradient to the ranks' mean."""
-    rows_per_rank = args.minibatch_rows // accelerator.num_processes or num_rows
-    rows_per_rank = max(1, rows_per_rank)
-    count = -(-num_rows // rows_per_rank)  # ⌈rows / rows per mini-batch⌉
-    count = distributed.max_over_ranks(count, accelerator)
+    rows_per_rank = max(1, args.minibatch_rows // accelerator.num_processes or num_rows)
+    my_count = -(-num_rows // rows_per_rank)  # ⌈rows / rows per mini-batch⌉
+    count = distributed.max_over_ranks(my_count, accelerator)
     seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
     return [order[m * rows_per_rank : (m + 1) * rows_per_rank] for m in range(count)]
@@ -349,9 +348,9 @@ def evaluate(system, queries, args, accelerator=None):
     if mine:
         trajectories = run_agent(
             mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns)
-    numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
-               for t in trajectories]
-    numbers = gather_object(numbers) if world > 1 else numbers
+    my_numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
+                  for t in trajectories]
+    numbers = gather_object(my_numbers) if world > 1 else my_numbers
     oks = [ok for _, _, entry_oks in numbers for ok in entry_oks]
     return {"accuracy": sum(r for r, _, _ in numbers) / len(numbers),
             "mean_turns": sum(turns for _, turns, _ in numbers) / len(numbers),
@@ -419,8 +418,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
         #    the planner, executor, verifier and generator in turn (Eq. 2)
-        picked = torch.randint(num_queries, (args.queries_per_step,), generator=gen)
-        picked = picked[mine.start : mine.stop].tolist()
+        drawn = torch.randint(num_queries, (args.queries_per_step,), generator=gen)
+        picked = drawn[mine.start : mine.stop].tolist()  # this rank's queries
         queries = [system.train[i] for i in picked for _ in range(args.group_size)]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
@@ -431,31 +430,31 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
 
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (Eqs. 4 and 7)
-        rewards = [t["reward"] for t in trajectories]
-        rewards = torch.tensor(rewards)
+        rewards = torch.tensor([t["reward"] for t in trajectories])
         turns = [len(t["turns"]) for t in trajectories]
         turn_advantages = broadcast_advantages(
             rewards, turns, args.group_size, mode=args.group_norm)  # (Σ T_i,)
         planner_turns = [turn for t in trajectories for turn in t["turns"]]
-        samples = list(zip(planner_turns, turn_advantages.tolist()))  # (turn, A_i) pairs
-        # the ablation: only each trajectory's last planner turn is trained
-        if args.credit == "final-turn":
+        every_turn = list(zip(planner_turns, turn_advantages.tolist()))  # (turn, A_i) pairs
+        trained_turns = every_turn
+        if args.credit == "final-turn":  # the ablation: only each trajectory's last planner turn
             last_turns = torch.tensor(turns).cumsum(0) - 1
-            samples = [samples[k] for k in last_turns.tolist()]
+            trained_turns = [every_turn[k] for k in last_turns.tolist()]
 
         # 3. the turn rows shuffled and cut into mini-batches of --minibatch-rows, each in
         #    token-bounded micro-batches; π_old = the trainer's own no-grad forward before any
         #    update, π_ref once
-        prompts = [turn["prompt"] for turn, _ in samples]
-        completions = [turn["ids"] for turn, _ in samples]
-        sampler_logps = [turn["old_logp"] for turn, _ in samples]
-        advantages = [advantage for _, advantage in samples]
-        advantages = torch.tensor(advantages, device=device)  # (turn-samples,)
+        prompts = [turn["prompt"] for turn, _ in trained_turns]
+        completions = [turn["ids"] for turn, _ in trained_turns]
+        sampler_logps = [turn["old_logp"] for turn, _ in trained_turns]
+        advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
-        parts = turn_minibatches(len(samples), args, step=step, accelerator=accelerator)
-        reused = args.inner_steps > 1 or len(parts) > 1  # else on-policy: π_old = logp.detach()
+        minibatch_rows = turn_minibatches(
+            len(trained_turns), args, step=step, accelerator=accelerator)
+        # else on-policy: π_old = logp.detach()
+        reused = args.inner_steps > 1 or len(minibatch_rows) > 1
         minibatches = []
-        for rows in parts:
+        for rows in minibatch_rows:
             micro_batches = common.scored_micro_batches(
                 tokenizer,
                 prompts,
@@ -475,12 +474,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
         #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
-        updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
-        metrics = tracking.StepMetrics(updates=len(updates))  # every update, every micro-batch
-        for update, minibatch in enumerate(updates):
+        schedule = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
+        metrics = tracking.StepMetrics(num_updates=len(schedule))  # every update, micro-batch
+        for update, minibatch in enumerate(schedule):
             optimizer.zero_grad()
-            token_count = sum(int(mb.mask.sum()) for mb in minibatch)
-            token_count = max(1, token_count)
+            token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
             for mb in minibatch:
                 ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
                 completion_len = mask.shape[1]
@@ -512,13 +510,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
-        rewards = rewards.float().to(device)
-        rewards = accelerator.gather(rewards)
-        rewards = rewards.cpu()
+        all_rewards = accelerator.gather(rewards.float().to(device)).cpu()  # every rank's
         record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = rewards.mean().item()
-        record["turn_samples"] = len(samples)
-        record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
+        record["reward"] = all_rewards.mean().item()
+        record["turn_samples"] = len(trained_turns)
+        record["zero_var_frac"] = common.zero_variance_fraction(all_rewards, args.group_size)
         record["mean_turns"] = sum(turns) / len(turns)
         record["grad_norm"] = grad_norm.item()
         due = step % args.eval_every == 0 or step == args.steps

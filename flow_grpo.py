@@ -65,7 +65,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import math
 from pathlib import Path
@@ -319,8 +318,8 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
     """ODE sampling at eval_steps from fixed noise, in chunks of --eval-batch; images go to the CPU
     as they are scored. Reward, and on the toy accuracy and diversity. Call it inside `swapped`
     so that the EMA weights, when kept, are what is evaluated (official)."""
-    prompts = task.eval_prompts[: args.eval_max_prompts or None]
-    prompts = [p for p in prompts for _ in range(args.eval_per_prompt)]
+    chosen = task.eval_prompts[: args.eval_max_prompts or None]
+    prompts = [p for p in chosen for _ in range(args.eval_per_prompt)]
     noise = torch.randn(
         (len(prompts), *task.latent_shape), generator=torch.Generator().manual_seed(args.seed + 1))
     # each rank a share of the chunks; the toy (which keeps every image for its metrics) runs whole
@@ -451,7 +450,7 @@ def train(args):
         with swapped(params, ema):
             before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
     sampler_dev = extra.get("sampler_dev", 0.0)
-    updates = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
+    optimizer_steps = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
     num_prompts = len(task.prompts)
     rollouts_per_epoch = args.prompts_per_epoch * args.group_size
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
@@ -460,13 +459,13 @@ def train(args):
         # 1. B distinct prompts × G samples (one group per prompt, DEVIATION 3). Every rank
         #    draws the whole batch's prompts and noise from one generator and keeps its rows:
         #    N processes sample what one does.
-        picked = torch.randperm(num_prompts, generator=gen)
-        picked = picked[: args.prompts_per_epoch].tolist()
-        prompts = [task.prompts[i] for i in picked for _ in range(args.group_size)]
-        noise_shape = (len(train_sigmas), len(prompts), *task.latent_shape)
-        noise = torch.randn(noise_shape, generator=gen)  # x_1, then each step's noise
-        prompts = prompts[my_rows]
-        noise = noise[:, my_rows].to(device)
+        permutation = torch.randperm(num_prompts, generator=gen)
+        picked = permutation[: args.prompts_per_epoch].tolist()
+        batch_prompts = [task.prompts[i] for i in picked for _ in range(args.group_size)]
+        noise_shape = (len(train_sigmas), len(batch_prompts), *task.latent_shape)
+        batch_noise = torch.randn(noise_shape, generator=gen)  # x_1, then each step's noise
+        prompts = batch_prompts[my_rows]  # this rank's rows
+        noise = batch_noise[:, my_rows].to(device)
         cond = task.encode(prompts)
         empty = task.empty(len(prompts))
         micro_rows = args.micro_batch or len(prompts)
@@ -481,22 +480,18 @@ def train(args):
         with phases.time("prepare"):
             images = task.decode(latents[-1])
             rewards = score(task.reward, images, prompts, args.reward)
-        all_rewards = rewards.to(device)
-        all_rewards = accelerator.gather(all_rewards)  # the whole batch's (global std)
-        all_rewards = all_rewards.cpu()
-        advantages = common.group_advantages(  # Eq. 4, the population std as the original
+        all_rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch's (global std)
+        normalised = common.group_advantages(  # Eq. 4, the population std as the original
             all_rewards, args.group_size, scale=args.adv_std, unbiased=False)
-        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
-        advantages = advantages[my_rows].to(device)
+        # this rank's rows, clipped at ±--adv-clip (the original's ±5)
+        advantages = normalised.clamp(-args.adv_clip, args.adv_clip)[my_rows].to(device)
 
         # 4. `minibatches` optimiser steps, each over all trained steps of its
         #    samples: the clipped objective (Eq. 5) at every trained step j
-        order = torch.randperm(rollouts_per_epoch, generator=gen)
-        mine_in_order = (order >= my_rows.start) & (order < my_rows.stop)
-        order = order[mine_in_order].to(device)
-        order = order - my_rows.start  # this rank's rows, shuffled
-        if args.drop_zero_advantage:
-            order = order[advantages[order] != 0]
+        shuffled = torch.randperm(rollouts_per_epoch, generator=gen)
+        mine_in_order = (shuffled >= my_rows.start) & (shuffled < my_rows.stop)
+        my_order = shuffled[mine_in_order].to(device) - my_rows.start  # this rank's rows, shuffled
+        order = my_order[advantages[my_order] != 0] if args.drop_zero_advantage else my_order
         stat_sums, num_terms = collections.defaultdict(float), 0
         # every rank takes the same `minibatches` steps, however many of its rows are left
         minibatches = torch.tensor_split(order, args.minibatches)
@@ -507,56 +502,55 @@ def train(args):
                     continue
                 optimizer.zero_grad()
                 micro_batches = minibatch.split(micro_rows)
-                for rows, j in itertools.product(micro_batches, range(trained_steps)):
+                for rows in micro_batches:
                     sub_cond = tuple(c[rows] for c in cond)
                     sub_empty = tuple(e[rows] for e in empty)
-                    x = latents[j][rows]
-                    x_next = latents[j + 1][rows]
-                    sigma = train_sigmas[j]
-                    sigma_next = train_sigmas[j + 1]
-                    step_old_logp = old_logp[j][rows]
-                    v = guided_velocity(
-                        velocity, x, sigma, sub_cond, sub_empty, args.guidance)
-                    v_ref = None  # β = 0 needs no reference
-                    if args.beta:
-                        with torch.no_grad():
-                            v_ref = guided_velocity(
-                                task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
-                    loss, logp, stats = step_loss(
-                        v,
-                        v_ref,
-                        x,
-                        x_next,
-                        sigma=sigma,
-                        sigma_next=sigma_next,
-                        old_logp=step_old_logp,
-                        advantages=advantages[rows],
-                        args=args,
-                    )
-                    if m == 0:  # nothing updated yet: scores what the rollout drew
-                        gap = (logp.detach() - step_old_logp).abs().max()
-                        sampler_dev = max(sampler_dev, gap.item())
-                    common.check_finite(loss, epoch)
-                    # its share of the mini-batch's mean over samples and steps
-                    scaled = loss * len(rows) / len(minibatch) / trained_steps
-                    scaler.scale(scaled).backward()
-                    num_terms += 1
-                    for name, value in stats.items():
-                        stat_sums[name] += value
-                # the EMA steps once per training batch (a --micro-batch chunk, the same count on
-                # every rank), as the original: the chunks before the optimiser step see the
-                # weights before it
-                num_chunks = distributed.max_over_ranks(len(micro_batches), accelerator)
-                for _ in range(num_chunks - 1):
-                    ema_update(ema, params, args.ema, updates)
+                    for j in range(trained_steps):  # every trained denoising step of these samples
+                        x = latents[j][rows]
+                        x_next = latents[j + 1][rows]
+                        sigma = train_sigmas[j]
+                        sigma_next = train_sigmas[j + 1]
+                        step_old_logp = old_logp[j][rows]
+                        v = guided_velocity(velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                        v_ref = None  # β = 0 needs no reference
+                        if args.beta:
+                            with torch.no_grad():
+                                v_ref = guided_velocity(
+                                    task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                        loss, logp, stats = step_loss(
+                            v,
+                            v_ref,
+                            x,
+                            x_next,
+                            sigma=sigma,
+                            sigma_next=sigma_next,
+                            old_logp=step_old_logp,
+                            advantages=advantages[rows],
+                            args=args,
+                        )
+                        if m == 0:  # nothing updated yet: scores what the rollout drew
+                            gap = (logp.detach() - step_old_logp).abs().max()
+                            sampler_dev = max(sampler_dev, gap.item())
+                        common.check_finite(loss, epoch)
+                        # its share of the mini-batch's mean over samples and steps
+                        scaled = loss * len(rows) / len(minibatch) / trained_steps
+                        scaler.scale(scaled).backward()
+                        num_terms += 1
+                        for name, value in stats.items():
+                            stat_sums[name] += value
+                # the EMA steps once per micro-batch (the same count on every rank), as the
+                # original: those before the optimiser step see the weights before it
+                num_micro_batches = distributed.max_over_ranks(len(micro_batches), accelerator)
+                for _ in range(num_micro_batches - 1):
+                    ema_update(ema, params, args.ema, optimizer_steps)
                 # the step's one collective; then clip the true gradient (inf/NaN: skipped)
                 distributed.average_gradients(params, accelerator)
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 scaler.step(optimizer)
                 scaler.update()
-                updates += 1
-                ema_update(ema, params, args.ema, updates)
+                optimizer_steps += 1
+                ema_update(ema, params, args.ema, optimizer_steps)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         num_terms = max(1, num_terms)
@@ -570,9 +564,9 @@ def train(args):
         record |= phases.seconds()  # 2, 3's decode and rewards, 4
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             with swapped(params, ema):
-                metrics, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)
-            record |= {f"eval_{k}": v for k, v in metrics.items()}
-        saved = {"before": before, "sampler_dev": sampler_dev, "updates": updates}
+                evaluation, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)
+            record |= {f"eval_{k}": v for k, v in evaluation.items()}
+        saved = {"before": before, "sampler_dev": sampler_dev, "updates": optimizer_steps}
         run.log(epoch, record, saved)
 
     if sampler_dev > 1e-5:

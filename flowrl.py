@@ -388,8 +388,8 @@ def train(args):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         with phases.time("rollout"):
-            picked = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
-            picked = picked[mine.start : mine.stop].tolist()
+            drawn = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
+            picked = drawn[mine.start : mine.stop].tolist()  # this rank's groups
             seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
             group_prompts = [task.prompts[i] for i in picked]
             with distributed.unsharded(model):  # --fsdp: gathered once, not per token
@@ -408,17 +408,16 @@ def train(args):
             completions = [ids for _, ids, _ in samples]
             sampler_logps = [logp for _, _, logp in samples]
 
-        with phases.time("prepare"):
-            # 2. rewards r
-            rewards = [task.reward(i, text) for i, text in zip(prompt_ids, texts)]
-            rewards = torch.tensor(rewards)
+        # 2. rewards r
+        rewards = torch.tensor([task.reward(i, text) for i, text in zip(prompt_ids, texts)])
 
-            # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
-            #    π_old = the trainer's no-grad forward before any update where samples are reused
-            #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
-            model.train()
-            reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
-            minibatches = []
+        # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
+        #    π_old = the trainer's no-grad forward before any update where samples are reused
+        #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
+        model.train()
+        reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
+        minibatches = []
+        with phases.time("prepare"):
             for rows in common.split_minibatches(len(samples), args.minibatches):
                 micro_batches = common.scored_micro_batches(
                     tokenizer,
@@ -436,38 +435,33 @@ def train(args):
                     equal_count=equal_count,
                 )
                 minibatches.append(micro_batches)
-            every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
+        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
-            # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
-            reward_hat = rewards
-            if args.reward_norm == "group":
-                reward_hat = common.group_advantages(rewards, args.group_size)
-            reward_hat = reward_hat.to(device)
-            # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
-            #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
-            shaped = rewards
-            if args.algo == "grpo-kl":
-                old_logps = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
-                ref_logps = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
-                old_logps = torch.cat(old_logps).cpu()
-                ref_logps = torch.cat(ref_logps).cpu()
-                lengths = [len(c) for c in completions]  # |y|
-                lengths = torch.tensor(lengths).clamp(min=1)
-                shaped = kl_regularised_reward(rewards, old_logps, ref_logps, lengths, args.beta)
-            advantages = common.group_advantages(shaped, args.group_size)
-            advantages = advantages.to(device)
+        # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
+        reward_hat = rewards.to(device)
+        if args.reward_norm == "group":
+            reward_hat = common.group_advantages(rewards, args.group_size).to(device)
+        # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
+        #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
+        shaped = rewards
+        if args.algo == "grpo-kl":
+            old_sums = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
+            ref_sums = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
+            lengths = torch.tensor([len(c) for c in completions]).clamp(min=1)  # |y|
+            shaped = kl_regularised_reward(
+                rewards, torch.cat(old_sums).cpu(), torch.cat(ref_sums).cpu(), lengths, args.beta)
+        advantages = common.group_advantages(shaped, args.group_size).to(device)
 
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
-        updates = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
-        metrics = tracking.StepMetrics(updates=len(updates))  # every update, every micro-batch
+        schedule = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
+        metrics = tracking.StepMetrics(num_updates=len(schedule))  # every update, micro-batch
         warm_up(optimizer, step, args)
         with phases.time("update"):
-            for update, minibatch in enumerate(updates):
+            for update, minibatch in enumerate(schedule):
                 optimizer.zero_grad()
                 num_rows = sum(len(mb.rows) for mb in minibatch)
-                token_count = sum(int(mb.mask.sum()) for mb in minibatch)
-                token_count = max(1, token_count)
+                token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
                 # --fsdp: one gradient reduction, the empty micro-batches' passes (the iterator's)
                 for mb in distributed.micro_batches(model, minibatch, autocast):
                     ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
@@ -527,13 +521,11 @@ def train(args):
         sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
-        rewards = rewards.to(device)
-        rewards = accelerator.gather(rewards)
-        rewards = rewards.cpu()
+        all_rewards = accelerator.gather(rewards.to(device)).cpu()  # every rank's
         record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = rewards.mean().item()
-        record["reward_std"] = rewards.std().item()
-        record["zero_var_frac"] = common.zero_variance_fraction(rewards, args.group_size)
+        record["reward"] = all_rewards.mean().item()
+        record["reward_std"] = all_rewards.std().item()
+        record["zero_var_frac"] = common.zero_variance_fraction(all_rewards, args.group_size)
         record["grad_norm"] = grad_norm.item()
         record["lr"] = optimizer.param_groups[0]["lr"]
         record |= phases.seconds()  # 1, 2-4 (π_old, π_ref), 5

@@ -234,15 +234,16 @@ def build_rctp_data(world, entries, args):
             for r in bfcl.run_rollouts(
                 world, chunk, [None] * len(chunk), temperature=1.0, args=args)
         ]
-    failures = [r for r in rollouts if r["reward"] == 0]
-    random.Random(args.seed).shuffle(failures)
-    failures = failures[: len(entries)]
+    every_failure = [r for r in rollouts if r["reward"] == 0]
+    random.Random(args.seed).shuffle(every_failure)
+    failures = every_failure[: len(entries)]
     demonstrated = [e for e in entries if e.get("demonstrated", True)]
     experts = bfcl.stratified(demonstrated, len(failures)) if failures else demonstrated
     high, low = reward_goal(HIGH), reward_goal(LOW)
     trajectories = [bfcl.trajectory_samples(world, e, high, e["ground_truth"]) for e in experts]
-    for run in failures:
-        trajectories += [bfcl.trajectory_samples(world, run["entry"], low, run["calls_per_turn"])]
+    for failure in failures:
+        trajectories += [
+            bfcl.trajectory_samples(world, failure["entry"], low, failure["calls_per_turn"])]
     return trajectories, len(failures)
 
 
@@ -296,12 +297,12 @@ def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
     mine = entries[rank::ranks]  # empty on a rank past the last entry
     seeds = None
     if temperature > 0:  # one seed per entry: the same samples on any number of ranks
-        seeds = [distributed.sampling_seed(args.seed, 0, k) for k in range(len(entries))]
-        seeds = seeds[rank::ranks]
+        every_seed = [distributed.sampling_seed(args.seed, 0, k) for k in range(len(entries))]
+        seeds = every_seed[rank::ranks]
     goals = [reward_goal(token)] * len(mine)
-    runs = bfcl.run_rollouts(world, mine, goals, temperature, args, seeds=seeds)
-    scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in runs]
-    scores = gather_object(scores) if ranks > 1 else scores
+    rollouts = bfcl.run_rollouts(world, mine, goals, temperature, args, seeds=seeds)
+    my_scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in rollouts]
+    scores = gather_object(my_scores) if ranks > 1 else my_scores
     rewards, checked = zip(*scores)
     return sum(rewards) / len(scores), sum(checked) / len(scores)
 
@@ -375,14 +376,14 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         picked = torch.randint(num_tasks, (args.tasks_per_step,), generator=gen)
         num_rollouts = len(picked) * args.group_size
         if reward_conditioned:
-            tokens = sample_reward_tokens(num_rollouts, args.p_high, gen)
+            every_token = sample_reward_tokens(num_rollouts, args.p_high, gen)
         else:
-            tokens = [HIGH if use_tokens else None] * num_rollouts
+            every_token = [HIGH if use_tokens else None] * num_rollouts
         # this rank's groups
         my_rollouts = slice(mine.start * args.group_size, mine.stop * args.group_size)
         task_ids = picked.repeat_interleave(args.group_size).tolist()
         entries = [world.train[i] for i in task_ids][my_rollouts]
-        tokens = tokens[my_rollouts]
+        tokens = every_token[my_rollouts]
         # generate's noise: each rank its own (one process keeps its stream)
         if accelerator.num_processes > 1:
             noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
@@ -392,28 +393,25 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         #    (Sec. 3.3)
         goals = [reward_goal(t) for t in tokens]
         with phases.time("rollout"):
-            runs = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
-        rewards = [r["reward"] for r in runs]
-        rewards = torch.tensor(rewards)
+            rollouts = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
+        rewards = torch.tensor([r["reward"] for r in rollouts])
 
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
         #    population std (App. A.2)
         advantages = common.group_advantages(rewards, args.group_size, unbiased=False)
-        # every model step of a rollout is a sample that carries its rollout's A
-        samples = [(s, a) for r, a in zip(runs, advantages.tolist()) for s in r["steps"]]
-        prompts = [s["prompt"] for s, _ in samples]
-        completions = [s["ids"] for s, _ in samples]
-        sampler_logps = [s["old_logp"] for s, _ in samples]
-        sample_advantages = [a for _, a in samples]
-        token_count = sum(len(c) for c in completions)
-        token_count = max(1, token_count)
+        # every model step of a rollout is a row that carries its rollout's A: (step, A) pairs
+        model_steps = [(s, a) for r, a in zip(rollouts, advantages.tolist()) for s in r["steps"]]
+        prompts = [s["prompt"] for s, _ in model_steps]
+        completions = [s["ids"] for s, _ in model_steps]
+        sampler_logps = [s["old_logp"] for s, _ in model_steps]
+        token_count = max(1, sum(len(c) for c in completions))
 
         # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; on-policy,
         #    so π_old = the update's own log-probs, detached; π_ref once. A sample with A = 0 has
         #    no gradient when β = 0: it is not scored, and π_ref is not needed
         model.train()
-        scored = [k for k, a in enumerate(sample_advantages) if a or args.beta]
-        sample_advantages = torch.tensor(sample_advantages, device=model.device)
+        scored = [k for k, (_, a) in enumerate(model_steps) if a or args.beta]
+        step_advantages = torch.tensor([a for _, a in model_steps], device=model.device)
         with phases.time("prepare"):
             micro_batches = common.scored_micro_batches(
                 tokenizer,
@@ -444,7 +442,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
                     logp,
                     mb.old_logp,
                     mb.ref_logp,
-                    sample_advantages[rows],
+                    step_advantages[rows],
                     mask,
                     clip_eps=args.clip_eps,
                     beta=args.beta,
@@ -461,20 +459,19 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
-        outcomes = [
+        my_outcomes = [
             {"token": t, "reward": r["reward"], "rare": r["entry"].get("rare")}
-            for r, t in zip(runs, tokens)
+            for r, t in zip(rollouts, tokens)
         ]
-        outcomes = gather_object(outcomes)
-        rewards = [o["reward"] for o in outcomes]
-        rewards = torch.tensor(rewards)
-        zero_var.append(common.zero_variance_fraction(rewards, args.group_size))
+        outcomes = gather_object(my_outcomes)
+        all_rewards = torch.tensor([o["reward"] for o in outcomes])
+        zero_var.append(common.zero_variance_fraction(all_rewards, args.group_size))
         high = [o["reward"] for o in outcomes if o["token"] == HIGH]
         low = [o["reward"] for o in outcomes if o["token"] == LOW]
-        sampled_logp = [s["old_logp"].sum().item() for s, _ in samples]
+        sampled_logp = [s["old_logp"].sum().item() for s, _ in model_steps]
         entropy = -sum(sampled_logp) / token_count  # −mean log π of the sampled tokens
         record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = rewards.mean().item()
+        record["reward"] = all_rewards.mean().item()
         record["zero_var_frac"] = zero_var[-1]
         record["entropy"] = entropy
         record["success_high"] = sum(high) / max(1, len(high))

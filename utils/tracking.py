@@ -55,17 +55,18 @@ class Phases:
 
 class StepMetrics:
     """A step's loss statistics, added once per micro-batch and reduced once by `means()`: the loss
-    summed over the step's `updates` optimiser steps (÷ updates: their mean), the largest |ρ − 1|
-    (and the first update's, when `add` is told the update's index), and every other statistic as
-    a mean over rows: a tensor per row, or one number per micro-batch weighted by its rows."""
+    summed over the step's `num_updates` optimiser steps (÷ num_updates: their mean), the largest
+    |ρ − 1| (and the first update's, when `add` is told the update's index), and every other
+    statistic as a mean over rows: a tensor per row, or one number per micro-batch weighted by its
+    rows."""
 
-    def __init__(self, updates=1):
-        self.updates = updates
+    def __init__(self, num_updates=1):
+        self.num_updates = num_updates
         self.loss, self.ratio_dev, self.ratio_dev_first = 0.0, 0.0, None
         self.sums, self.rows = collections.defaultdict(float), 0
 
     def add(self, rows, loss, ratio_dev, update=None, **stats):
-        self.loss += loss / self.updates
+        self.loss += loss / self.num_updates
         self.ratio_dev = max(self.ratio_dev, ratio_dev)
         if update == 0:  # on-policy: exactly 0
             self.ratio_dev_first = self.ratio_dev
