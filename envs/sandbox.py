@@ -1,7 +1,7 @@
-"""The isolated Python tool: model-written code runs in its own namespaces, as its own user, with
-no network, no children, nothing of the machine but the interpreter, resource caps and a timeout.
-Where that isolation is unavailable the tool is disabled (it fails closed), unless the user opts
-in to running model code unisolated.
+"""The isolated Python tool: model-written code runs in its own namespaces, as a host user that
+owns nothing, with no network, no children, nothing of the machine but the interpreter, read-only
+but its own size-capped folders, resource caps and a timeout. Where that isolation is unavailable
+the tool is disabled (it fails closed), unless the user opts in to running model code unisolated.
 
     python_tool(code, ...)   run one program and return (output, ok); it never raises
     isolation_problem()      None where each call can be isolated here, else the reason
@@ -9,8 +9,12 @@ in to running model code unisolated.
 
 import contextlib
 import importlib.util
+import json
 import os
 import platform
+import pwd
+import random
+import select
 import selectors
 import shutil
 import signal
@@ -23,18 +27,27 @@ from pathlib import Path
 
 
 # Isolation by allow-list, through bubblewrap (`bwrap`, the sandbox behind Flatpak; the Makefile
-# installs it where the machine allows). Each call gets new user, mount, PID, network, IPC, UTS and
-# cgroup namespaces and a new session, for root and for normal users alike: inside its own user
-# namespace the program is SANDBOX_UID with no capabilities and may not make another user
-# namespace. Its root holds only /usr, the interpreter and its venv (read-only, by their real
-# paths), a minimal /dev and its own /proc, and size-capped tmpfs folders (WORK, the working
-# directory, and /tmp) that exist only inside it: the repository, its .git and data, runs/, home
-# folders, /run and every socket path are absent. A seccomp filter (SECCOMP_RULES) forbids
-# children, keyrings, SysV IPC, memfd, fallocate, file locks, io_uring, userfaultfd, bpf, perf and
-# the VSOCK/ALG sockets; rlimits cap CPU, memory, file size and open files; the environment is
-# empty. Output comes back through pipes, read up to a byte cap: the program holds no host file.
-# Killing bwrap kills the PID namespace's first process and with it every process inside.
-SANDBOX_UID = 65534  # "nobody", inside the call's own user namespace
+# installs it where the machine allows). Each call gets new mount, PID, network, IPC, UTS and
+# cgroup namespaces and a new session. Its host uid is never 0 nor one that owns anything: a root
+# trainer runs bwrap itself (so it binds an interpreter under a folder only root may enter) and
+# the boot drops to a host uid drawn per call from CALL_UIDS, which no account, file or process
+# has; a normal trainer runs bwrap in a user namespace of its own, where the program is
+# SANDBOX_UID, mapped to the trainer's uid, and is the namespace's first process (`--as-pid-1`).
+# No capabilities, no user namespace inside. Its root holds only the dynamic libraries
+# (/usr/lib*), the interpreter and its venv (read-only, by their real paths), a minimal /dev and
+# its own /proc, all read-only, and size-capped tmpfs folders (WORK, the working directory, /tmp
+# and /dev/shm) that exist only inside it: the repository, its .git and data, runs/, home folders,
+# /run and every socket path are absent. A seccomp filter (`seccomp_filter`) forbids children,
+# namespaces, ptrace and cross-process memory, keyrings, SysV IPC, memfd, fallocate, file locks
+# and leases, inotify/fanotify/dnotify, AIO, io_uring, userfaultfd, bpf, perf, clearing the
+# parent-death signal and the VSOCK/ALG sockets; rlimits cap CPU, memory, file size, open files
+# and threads; the environment is empty. Output comes back through pipes, read up to a byte cap:
+# the program holds no host file. The trainer learns the host PID of the namespace's first
+# process from bwrap (`--info-fd`) and kills it by a pidfd on every exit path: the PID namespace
+# and everything in it go with it.
+SANDBOX_UID = 65534  # "nobody", inside the call's own user namespace (a normal trainer)
+CALL_UIDS = (1 << 30, (1 << 31) - (1 << 16))  # a root trainer's per-call host uids: no account
+THREADS = 16  # the program's threads (RLIMIT_NPROC, counted for its uid in its namespace)
 TMPFS_MB = 16  # each of WORK, /tmp and /dev/shm: the program's total writes are bounded
 WORK = "/sandbox"  # its working folder, a tmpfs inside its namespaces
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -42,41 +55,58 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 PACKAGE_ANSWERS = {"bfcl_eval": "data/possible_answer"}
 
 SANDBOX_BOOT = r"""
-import os, resource, sys
-memory_mb, cpu_s, file_mb, python = sys.argv[1:]
+import ctypes, os, resource, sys
+memory_mb, cpu_s, file_mb, threads, uid, python = sys.argv[1:]
 mb = 1 << 20
 for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT_CPU, int(cpu_s)),
                      (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
-                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0)]:
+                     (resource.RLIMIT_NPROC, int(threads)), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_MSGQUEUE, 0)]:
     resource.setrlimit(limit, (value, value))
+if uid != "-":  # a root trainer's call: its own host uid, no groups, no capabilities left
+    os.setgroups([])
+    os.setresgid(int(uid), int(uid), int(uid))
+    os.setresuid(int(uid), int(uid), int(uid))
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: cleared by a uid change, set again
 threads = {k: "1" for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"]}
 os.execve(python, [python, "-I", "-B", "main.py"], threads)
 """
 
 # The seccomp filter: the audit architecture, the syscall numbers it denies outright, and the
-# numbers of clone, clone3, socket and fcntl, whose arguments it reads.
+# numbers of clone, clone3, socket, fcntl and prctl, whose arguments it reads.
 SYSCALLS = {
     "x86_64": {
         "arch": 0xC000003E,
         "deny": {"fork": 57, "vfork": 58, "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
-                 "flock": 73, "add_key": 248, "request_key": 249, "keyctl": 250,
-                 "fallocate": 285, "perf_event_open": 298, "memfd_create": 319, "bpf": 321,
+                 "flock": 73, "ptrace": 101, "io_setup": 206, "io_submit": 209,
+                 "add_key": 248, "request_key": 249, "keyctl": 250, "inotify_init": 253,
+                 "inotify_add_watch": 254, "unshare": 272, "inotify_init1": 294,
+                 "fallocate": 285, "perf_event_open": 298, "fanotify_init": 300,
+                 "fanotify_mark": 301, "setns": 308, "process_vm_readv": 310,
+                 "process_vm_writev": 311, "kcmp": 312, "memfd_create": 319, "bpf": 321,
                  "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
-                 "io_uring_register": 427},
-        "clone": 56, "clone3": 435, "socket": 41, "fcntl": 72,
+                 "io_uring_register": 427, "pidfd_getfd": 438, "process_madvise": 440},
+        "clone": 56, "clone3": 435, "socket": 41, "fcntl": 72, "prctl": 157,
     },
     "aarch64": {
         "arch": 0xC00000B7,
-        "deny": {"shmget": 194, "shmat": 196, "semget": 190, "msgget": 186, "flock": 32,
-                 "add_key": 217, "request_key": 218, "keyctl": 219, "fallocate": 47,
-                 "perf_event_open": 241, "memfd_create": 279, "bpf": 280, "userfaultfd": 282,
-                 "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
-        "clone": 220, "clone3": 435, "socket": 198, "fcntl": 25,
+        "deny": {"io_setup": 0, "io_submit": 2, "inotify_init1": 26, "inotify_add_watch": 27,
+                 "flock": 32, "fallocate": 47, "unshare": 97, "ptrace": 117, "shmget": 194,
+                 "shmat": 196, "semget": 190, "msgget": 186, "add_key": 217,
+                 "request_key": 218, "keyctl": 219, "perf_event_open": 241,
+                 "fanotify_init": 262, "fanotify_mark": 263, "setns": 268,
+                 "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
+                 "memfd_create": 279, "bpf": 280, "userfaultfd": 282, "io_uring_setup": 425,
+                 "io_uring_enter": 426, "io_uring_register": 427, "pidfd_getfd": 438,
+                 "process_madvise": 440},
+        "clone": 220, "clone3": 435, "socket": 198, "fcntl": 25, "prctl": 167,
     },
 }
 CLONE_THREAD = 0x10000  # clone without it makes a process: denied; with it, a thread: allowed
 DENIED_SOCKET_FAMILIES = [38, 40]  # AF_ALG, AF_VSOCK
-DENIED_FCNTL_COMMANDS = [6, 7, 37, 38]  # F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW
+# F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY (dnotify)
+DENIED_FCNTL_COMMANDS = [6, 7, 37, 38, 1024, 1026]
+PR_SET_PDEATHSIG, SIGKILL = 1, 9  # prctl may set the parent-death signal only to SIGKILL
 EPERM, ENOSYS = 1, 38
 
 # classic BPF, as seccomp(2) reads it: (code, jump if true, jump if false, k)
@@ -98,12 +128,16 @@ def seccomp_filter(machine):
                 (JUMP_EQ, "enosys", None, table["clone3"]),
                 (JUMP_EQ, "socket", None, table["socket"]),
                 (JUMP_EQ, "fcntl", None, table["fcntl"]),
+                (JUMP_EQ, "prctl", None, table["prctl"]),
                 (RETURN, None, None, SECCOMP_ALLOW),
                 "clone", (LOAD_WORD, None, None, ARG0), (JUMP_SET, "allow", "deny", CLONE_THREAD),
                 "socket", (LOAD_WORD, None, None, ARG0)]
     program += [(JUMP_EQ, "deny", None, family) for family in DENIED_SOCKET_FAMILIES]
     program += [(RETURN, None, None, SECCOMP_ALLOW), "fcntl", (LOAD_WORD, None, None, ARG1)]
     program += [(JUMP_EQ, "deny", None, command) for command in DENIED_FCNTL_COMMANDS]
+    program += [(RETURN, None, None, SECCOMP_ALLOW),
+                "prctl", (LOAD_WORD, None, None, ARG0), (JUMP_EQ, None, "allow", PR_SET_PDEATHSIG),
+                (LOAD_WORD, None, None, ARG1), (JUMP_EQ, "allow", "deny", SIGKILL)]
     program += ["allow", (RETURN, None, None, SECCOMP_ALLOW),
                 "deny", (RETURN, None, None, SECCOMP_ERRNO | EPERM),
                 "enosys", (RETURN, None, None, SECCOMP_ERRNO | ENOSYS),
@@ -154,10 +188,48 @@ def prefix_problem(prefixes, hidden):
     return None
 
 
-def bwrap_command(python, prefixes, code_fd, seccomp_fd, memory_mb, timeout, hidden):
-    """The bwrap command line: the allow-listed root (see above), then SANDBOX_BOOT's caps."""
-    root = ["--ro-bind", "/usr", "/usr"]
-    for top in ["/bin", "/lib", "/lib64", "/sbin"]:  # merged-/usr links, or the folders
+def interpreter_links(python, readable):
+    """bwrap arguments that make `python` resolve inside as outside where its chain of symlinks
+    leaves the bound folders (a venv made from /usr/bin/python3): each link, then the file."""
+    arguments, path = [], python
+    while os.path.islink(path):
+        target = os.readlink(path)
+        if not any(path.startswith(folder + "/") for folder in readable):
+            arguments += ["--symlink", target, path]
+        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    if not any(path.startswith(folder + "/") for folder in readable):
+        arguments += ["--ro-bind", path, path]
+    return arguments
+
+
+def call_uid():
+    """A host uid for one call of a root trainer, from CALL_UIDS: no account has it and no
+    process runs as it (only an archive unpacked with its owners could give it a file)."""
+    running = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            uid_line = next(ln for ln in status.read_text().splitlines() if ln.startswith("Uid:"))
+            running.update(int(uid) for uid in uid_line.split()[1:])
+    draw = random.SystemRandom()  # not the trainer's seeded generator
+    while True:
+        uid = draw.randrange(*CALL_UIDS)
+        if uid not in running:
+            try:
+                pwd.getpwuid(uid)
+            except KeyError:
+                return uid
+
+
+def bwrap_command(python, prefixes, fds, memory_mb, timeout, hidden, uid):
+    """The bwrap command line: the allow-listed root (see above), read-only but its tmpfs folders,
+    then SANDBOX_BOOT's caps. `fds` are the program's, the filter's and bwrap's info pipe;
+    `uid` is the root trainer's call uid, or None for a normal trainer."""
+    code_fd, seccomp_fd, info_fd = fds
+    libraries = [f"/usr/{name}" for name in ["lib", "lib32", "lib64", "libx32"]]
+    root = ["--perms", "0755", "--dir", "/usr"]
+    root += [arg for lib in libraries if os.path.isdir(lib) and not os.path.islink(lib)
+             for arg in ["--ro-bind", lib, lib]]
+    for top in ["/lib", "/lib32", "/lib64", "/libx32"]:  # merged-/usr links, or the folders
         if os.path.islink(top):
             root += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
@@ -167,25 +239,36 @@ def bwrap_command(python, prefixes, code_fd, seccomp_fd, memory_mb, timeout, hid
         root += ["--perms", "0755", "--dir", parent]
     for path in prefixes:
         root += ["--ro-bind", path, path]
-    readable = ["/usr", *prefixes]
+    readable = [*libraries, *prefixes]
+    root += interpreter_links(python, readable)
     for path in hidden:  # the run's data under an allowed folder reads as empty
         if any(path.startswith(p + "/") for p in readable) and os.path.isfile(path):
             root += ["--ro-bind", "/dev/null", path]
     for folder in answer_folders():  # and so do the packages' answer folders
         if any(folder.startswith(p + "/") for p in readable):
             root += ["--size", "4096", "--tmpfs", folder, "--remount-ro", folder]
+    if uid is None:  # a normal trainer: the program is SANDBOX_UID in a user namespace of its own
+        user = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--disable-userns", "--cap-drop", "ALL", "--as-pid-1"]
+    else:  # root: bwrap binds as root, the boot keeps only what it needs to drop to `uid`
+        # NOTE: bwrap's init stays PID 1 here. bwrap keeps no capability, so only a process of
+        # the same uid (root) receives its parent-death signal; the init, root with no
+        # capabilities, carries it and takes the namespace with it. The program can neither
+        # signal nor trace it (another uid, and ptrace is filtered).
+        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     size = str(TMPFS_MB << 20)
     return [
-        "bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-        "--disable-userns", "--cap-drop", "ALL", "--unshare-pid", "--unshare-net",
-        "--unshare-ipc", "--unshare-uts", "--unshare-cgroup", "--die-with-parent",
-        "--new-session", "--clearenv", "--proc", "/proc", "--dev", "/dev",
+        "bwrap", *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        "--unshare-cgroup", "--die-with-parent", "--new-session", "--clearenv",
+        "--info-fd", str(info_fd), "--proc", "/proc", "--dev", "/dev",
+        "--ro-bind", "/dev/null", "/proc/keys", "--ro-bind", "/dev/null", "/proc/key-users",
         *(arg for folder in ["/dev/shm", "/tmp", WORK]  # writable inside, size-capped
           for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]),
         *root,  # after the tmpfs folders, so a venv under /tmp is bound on top of its tmpfs
         "--file", str(code_fd), f"{WORK}/main.py", "--seccomp", str(seccomp_fd),
+        "--remount-ro", "/dev", "--remount-ro", "/proc", "--remount-ro", "/",
         "--chdir", WORK, "--", python, "-I", "-c", SANDBOX_BOOT, str(memory_mb),
-        str(int(timeout) + 1), "1", python]
+        str(int(timeout) + 1), "1", str(THREADS), "-" if uid is None else str(uid), python]
 
 
 def isolation_problem():
@@ -202,7 +285,11 @@ def isolation_problem():
         return problem
     output, ok = run_program("print(1)", 30, 256, 100, [], isolate=True)
     if (output, ok) != ("1", True):
-        return f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]})"
+        fix = ("run the trainer as root with CAP_SYS_ADMIN (not in an unprivileged container)"
+               if os.geteuid() == 0 else "allow unprivileged user namespaces "
+               "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
+        return (f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]}); "
+                f"to fix: {fix}")
     isolation_problem.ok = True
     return None
 
@@ -252,8 +339,8 @@ def read_capped(process, deadline, max_bytes):
 
 
 def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
-    """One run: the program, its capped output, and the kill of its process group on every exit
-    path (a timeout, an exception, Ctrl-C in the trainer)."""
+    """One run: the program, its capped output, and its kill on every exit path (a timeout, an
+    exception, Ctrl-C in the trainer)."""
     import resource
 
     # the venv's own interpreter, reached through the real path of its folder
@@ -262,15 +349,16 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
     workdir = contextlib.nullcontext("/") if isolate else tempfile.TemporaryDirectory(
         prefix="agentflow_py_", ignore_cleanup_errors=True)
     with workdir as tmp:
-        fds = []
+        fds, info = [], None
         if isolate:
-            fds = [os.memfd_create("main.py"), os.memfd_create("seccomp")]
+            info, info_write = os.pipe()
+            fds = [os.memfd_create("main.py"), os.memfd_create("seccomp"), info_write]
             os.write(fds[0], code.encode("utf-8", "replace"))
             os.write(fds[1], seccomp_filter(platform.machine()))
-            for fd in fds:
+            for fd in fds[:2]:
                 os.lseek(fd, 0, os.SEEK_SET)
-            command = bwrap_command(
-                python, bound_prefixes(), fds[0], fds[1], memory_mb, timeout, hidden)
+            uid = call_uid() if os.geteuid() == 0 else None
+            command = bwrap_command(python, bound_prefixes(), fds, memory_mb, timeout, hidden, uid)
             preexec = None
         else:
             Path(tmp, "main.py").write_text(code)
@@ -290,14 +378,19 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
             for fd in fds:
                 os.close(fd)
         deadline = time.monotonic() + timeout
+        pidfd = None
         try:
+            if isolate:
+                pidfd = namespace_pidfd(info, deadline)
             stdout, stderr, finished = read_capped(process, deadline, max_output + 1)
             if finished:  # its pipes closed: it has the rest of its time to exit
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             finished = False
         finally:
-            kill_group(process)
+            end_call(process, pidfd)
+            if info is not None:
+                os.close(info)
     if not finished:
         return f"error: timed out after {timeout:g} s", False
     text = stdout.decode("utf-8", "replace")
@@ -311,15 +404,39 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
     return text[:max_output] + cut, process.returncode == 0
 
 
-def kill_group(process):
-    """SIGKILL the process group (bwrap: its PID namespace goes too), then wait until it is gone
-    (at most 2 s more) and close the pipes."""
+def namespace_pidfd(info, deadline):
+    """A pidfd of the PID namespace's first process, from the host PID that bwrap
+    writes to its info pipe once the namespace exists; None if bwrap ended first."""
+    data = b""
+    while time.monotonic() < deadline:
+        if not select.select([info], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break
+        chunk = os.read(info, 4096)
+        if not chunk:
+            break
+        data += chunk
     try:
+        return os.pidfd_open(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, ProcessLookupError):
+        return None
+
+
+def end_call(process, pidfd):
+    """SIGKILL the program (its PID namespace and everything in it go too), whatever it did to its
+    own signals, and bwrap's process group; wait until both are gone, reap the program where it
+    was left to this process (a trainer that is PID 1 or a subreaper), close the pipes."""
+    if pidfd is not None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     process.wait()
-    for _ in range(200):
+    if pidfd is not None:
+        select.select([pidfd], [], [], 2.0)  # readable once the program has exited
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+        os.close(pidfd)
+    for _ in range(200):  # an unisolated run's process group
         try:
             os.killpg(process.pid, 0)
         except (ProcessLookupError, PermissionError):

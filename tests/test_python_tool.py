@@ -5,7 +5,10 @@ one call to another, and the trainer is untouched. The same holds for a trainer 
 user. Where this machine cannot isolate, the isolation tests do not run and the session's summary
 says so ("not isolated here"); the fail-closed tests run everywhere."""
 
+import ast
+import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -187,6 +190,38 @@ def hostile_programs(o):
     }
 
 
+PROBES = r"""
+import errno, json, os
+def attempt(action):
+    try:
+        action()
+        return "done"
+    except OSError as err:
+        return errno.errorcode[err.errno]
+def rewrite(path):  # writes back what is there: harmless if it were allowed
+    value = open(path).read()
+    open(path, "w").write(value)
+print(json.dumps({
+    "sysctl": attempt(lambda: rewrite("/proc/sys/kernel/core_pattern")),
+    "chmod a device": attempt(lambda: os.chmod("/dev/null", 0o666)),
+    "root-only /proc": attempt(lambda: open("/proc/kpageflags", "rb").read(8)),
+    "/proc/keys": attempt(lambda: open("/proc/keys").read()),
+    "write /": attempt(lambda: open("/x", "w")),
+    "write /dev": attempt(lambda: open("/dev/x", "w")),
+    "write /usr/lib": attempt(lambda: open("/usr/lib/x", "w")),
+    "write /tmp": attempt(lambda: open("/tmp/x", "w")),
+    "write /dev/shm": attempt(lambda: open("/dev/shm/x", "w")),
+    "write the working folder": attempt(lambda: open("x", "w")),
+}))
+"""
+PROBES_EXPECTED = {
+    "sysctl": ("EACCES", "EROFS"), "chmod a device": ("EPERM",),
+    "root-only /proc": ("EACCES",), "/proc/keys": ("EACCES",), "write /": ("EROFS",),
+    "write /dev": ("EROFS",), "write /usr/lib": ("EROFS",), "write /tmp": ("done",),
+    "write /dev/shm": ("done",), "write the working folder": ("done",),
+}
+
+
 def untouched(o, readme_before):
     left = [p.name for p in o["dir"].iterdir()
             if p.name not in ("gold.jsonl", "unix.sock", "repo")]
@@ -283,6 +318,10 @@ def test_every_denied_system_call_fails_inside():
         "memfd_create": "import os\nos.memfd_create('m')",
         "fallocate": "import os\nos.posix_fallocate(os.open('f', os.O_RDWR | os.O_CREAT), 0, 4096)",
         "AF_ALG socket": "import socket\nsocket.socket(38, socket.SOCK_SEQPACKET)",
+        "a lease on a host file": "import fcntl\n"
+        "fcntl.fcntl(open('/usr/lib/os-release'), 1024, fcntl.F_RDLCK)",  # F_SETLEASE
+        "dnotify on a host folder": "import fcntl, os\n"
+        "fcntl.fcntl(os.open('/usr/lib', os.O_RDONLY), 1026, 0x80000001)",  # F_NOTIFY
     }
     for name, code in raising.items():
         output, ok = sandbox.python_tool(code, timeout=5)
@@ -295,6 +334,15 @@ def test_every_denied_system_call_fails_inside():
         "io_uring_setup": "syscall(425, 8, bytes(120))",
         "bpf": "syscall(321, 0, bytes(128), 128)",
         "perf_event_open": "syscall(298, bytes(128), 0, -1, -1, 0)",
+        "ptrace itself": "ptrace(0, 0, 0, 0)",  # PTRACE_TRACEME
+        "ptrace PID 1": "ptrace(16, 1, 0, 0)",  # PTRACE_ATTACH
+        "read another process's memory": "syscall(310, 1, 0, 0, 0, 0, 0)",
+        "inotify on host files": "inotify_init1(0)",
+        "fanotify": "syscall(300, 0, 0)",
+        "AIO contexts (a host-wide count)": "syscall(206, 1, bytes(8))",
+        "a new mount namespace": "unshare(0x20000)",
+        "join a namespace": "syscall(308, 0, 0)",
+        "clear the parent-death signal": "prctl(1, 0)",
     }
     for name, call in returning.items():
         output, ok = sandbox.python_tool(f"import ctypes\nprint(ctypes.CDLL(None).{call})")
@@ -337,9 +385,10 @@ def test_three_concurrent_calls_all_succeed():
     assert results == [("0", True), ("1", True), ("2", True)]
 
 
-def run_as(uid, code, python=sys.executable, timeout=120):
-    """Run `code` with the repository importable in a fresh interpreter as user `uid`."""
-    call = f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n{code}"
+def run_as(uid, code, python=sys.executable, timeout=120, package=REPO):
+    """Run `code` in a fresh interpreter as user `uid`, with `envs.sandbox` imported from the
+    folder `package`."""
+    call = f"import sys; sys.path.insert(0, {str(package)!r}); from envs import sandbox\n{code}"
     command = [python, "-c", call]
     if uid is not None:
         command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *command]
@@ -369,6 +418,10 @@ def test_a_normal_user_gets_the_same_isolation():
 
 
 def normal_user_run(tmp_path, numpy, sympy):
+    # the tool as that user gets it: a copy in a folder it can read (the checkout may not be)
+    (tmp_path / "package" / "envs").mkdir(parents=True)
+    for name in ("__init__.py", "sandbox.py"):
+        shutil.copy(REPO / "envs" / name, tmp_path / "package" / "envs" / name)
     home = tmp_path / "home"
     home.mkdir()
     (home / "id_ed25519").write_text(SECRET)
@@ -394,14 +447,18 @@ def normal_user_run(tmp_path, numpy, sympy):
         "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
         f".sendto(b'x', ('127.0.0.1', {port}))",
         "import os\nos.fork()",
+        PROBES,
     ]
     code = (f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"
             "    print(repr(sandbox.python_tool(p, timeout=20)))")
-    lines = run_as(1000, code, python=str(env / "bin" / "python")).splitlines()
+    lines = run_as(1000, code, python=str(env / "bin" / "python"),
+                   package=tmp_path / "package").splitlines()
     assert lines[0] == "None", lines
     assert lines[1] == repr(("45 {2: 3, 3: 2, 5: 1} 65534", True)), lines
     assert all(SECRET not in line for line in lines) and lines[2].endswith("False)"), lines
     assert lines[5].endswith("False)"), lines  # no children
+    probes = json.loads(ast.literal_eval(lines[6])[0])
+    assert {k: v for k, v in probes.items() if v not in PROBES_EXPECTED[k]} == {}, probes
     assert not (home / "pwned").exists()
     with pytest.raises(BlockingIOError):
         listener.recv(1)
@@ -495,3 +552,141 @@ def test_answer_files_shipped_in_packages_read_as_empty():
         assert os.listdir(folder)
         output, ok = sandbox.python_tool(f"import os; print(os.listdir({folder!r}))")
         assert (output, ok) == ("[]", True)
+
+
+def program_pid(started_after, ancestor):
+    """The host PID of this process's sandboxed program `main.py` that started after the PIDs
+    `started_after` (other test workers' calls are not its descendants)."""
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        for pid in set(sandbox_processes()) - set(started_after):
+            with contextlib.suppress(OSError):  # the boot has become the program: `-B main.py`
+                program = b"\0-B\0main.py\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                if program and descends_from(pid, ancestor):
+                    return pid
+        time.sleep(0.05)
+    raise AssertionError("the program never started")
+
+
+def status_uids(pid):
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ln.startswith("Uid:"))
+    return [int(uid) for uid in line.split()[1:]]
+
+
+@isolated
+def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state():
+    """Judged from outside: the program's host uid is never 0 (a root trainer's call gets a uid
+    of CALL_UIDS with no account; a normal trainer's stays its own); host sysctls, device nodes,
+    root-only /proc files and the keys are out of reach; only its own folders are writable."""
+    import pwd
+
+    core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
+    null_mode = os.stat("/dev/null").st_mode
+    before = set(sandbox_processes())
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(
+        result=sandbox.python_tool("import time\ntime.sleep(3)\n" + PROBES, timeout=20)))
+    thread.start()
+    uids = status_uids(program_pid(before, os.getpid()))
+    thread.join()
+    output, ok = seen["result"]
+    assert ok, output
+    if os.geteuid() == 0:
+        assert all(sandbox.CALL_UIDS[0] <= uid < sandbox.CALL_UIDS[1] for uid in uids), uids
+        with pytest.raises(KeyError):
+            pwd.getpwuid(uids[0])
+    else:
+        assert uids == [os.getuid()] * 4
+    probes = json.loads(output)
+    assert {k: v for k, v in probes.items() if v not in PROBES_EXPECTED[k]} == {}, probes
+    assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
+    assert os.stat("/dev/null").st_mode == null_mode
+
+
+@isolated
+def test_nothing_in_the_namespace_can_be_signalled_or_traced():
+    """The program sees one other process at most (a root trainer's bwrap init: root, with no
+    capabilities) and can neither signal nor trace it; under a normal trainer it is PID 1."""
+    output, ok = sandbox.python_tool(
+        "import ctypes, os\nc = ctypes.CDLL(None)\n"
+        "others = [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
+        "print(os.getpid(), others, [(c.kill(p, 9), c.ptrace(16, p, 0, 0)) for p in others])")
+    assert ok, output
+    if os.geteuid() == 0:
+        assert output == "2 [1] [(-1, -1)]", output
+    else:
+        assert output == "1 [] []", output
+
+
+@isolated
+def test_threads_are_capped_for_every_trainer_uid():
+    """3 000 threads asked for, at most THREADS made (RLIMIT_NPROC binds the call's own uid)."""
+    output, ok = sandbox.python_tool(
+        "import threading, time\nmade = 0\ntry:\n    for _ in range(3000):\n"
+        "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "        made += 1\nexcept RuntimeError:\n    pass\nprint(made)", timeout=20)
+    assert ok and 0 < int(output) < sandbox.THREADS, output
+
+
+def run_trainer(code):
+    """A trainer in a fresh interpreter (as this user) running `code` with the tool imported."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+         f"from envs import sandbox\n{code}"], stdout=subprocess.PIPE, text=True)
+
+
+STUBBORN = ("import ctypes, os, signal, time\nctypes.CDLL(None).prctl(1, 0)\n"
+            "for s in (1, 2, 15): signal.signal(s, signal.SIG_IGN)\nos.setsid()\ntime.sleep(60)")
+
+
+@isolated
+def test_a_stubborn_program_dies_with_its_timeout_and_with_a_killed_trainer():
+    """A program that tries to clear its parent-death signal, ignores signals and leaves its
+    session: gone at its timeout, and gone when its trainer is SIGKILLed mid-call."""
+    before = set(sandbox_processes())
+    output, ok = sandbox.python_tool(STUBBORN, timeout=1)
+    assert (output, ok) == ("error: timed out after 1 s", False)
+    time.sleep(0.3)
+    assert left_behind() == [] and not set(sandbox_processes()) - before - set(left_behind())
+    trainer = run_trainer(f"sandbox.python_tool({STUBBORN!r}, timeout=60)")
+    program = program_pid(before, trainer.pid)
+    trainer.kill()
+    trainer.wait()
+    deadline = time.time() + 5
+    while process_state(program) not in ("gone", "Z") and time.time() < deadline:
+        time.sleep(0.05)
+    # a zombie at most, where this machine's PID 1 reaps no orphan
+    assert process_state(program) in ("gone", "Z")
+
+
+def process_state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone"
+
+
+@isolated
+def test_no_zombie_is_left_to_a_subreaping_trainer():
+    """A trainer that reaps orphans (PID 1 of a container, a subreaper) keeps no zombie after
+    calls that finish, fail and time out."""
+    trainer = run_trainer(
+        "import ctypes, os\nctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER\n"
+        f"for code in ['print(1)', 'raise SystemExit(3)', {STUBBORN!r}, 'while True: pass']:\n"
+        "    sandbox.python_tool(code, timeout=1)\n"
+        "zombies = []\nfor stat in os.listdir('/proc'):\n"
+        "    try:\n        fields = open(f'/proc/{stat}/stat').read().rsplit(')', 1)[1].split()\n"
+        "    except (OSError, ValueError):\n        continue\n"
+        "    if fields[0] == 'Z' and int(fields[1]) == os.getpid():\n        zombies.append(stat)\n"
+        "print(zombies)")
+    output, _ = trainer.communicate(timeout=120)
+    assert output.strip() == "[]", output
+
+
+def test_a_root_suite_isolates(monkeypatch):
+    """Where the suite runs as root on Linux (CI, and `make`, which installs bubblewrap), the
+    isolation tests above run: they are never skipped there."""
+    if os.geteuid() != 0 or sys.platform != "linux":
+        pytest.skip("runs where the suite runs as root on Linux")
+    assert PROBLEM is None
