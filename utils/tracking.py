@@ -21,6 +21,7 @@ from utils import distributed
 
 RUN_FILES = (  # a run is in the folder
     "metrics.jsonl", "summary.json", "checkpoint.safetensors", "stage1.safetensors")
+FLAT_STEPS = 3  # steps in a row whose groups all have equal rewards before a run says so
 
 
 def write_atomically(path, text):
@@ -127,6 +128,11 @@ class RunLogger:
     def log(self, step, **metrics):
         record = {"step": step, "sec": round(time.time() - self.start, 2), **metrics}
         self.records.append(record)
+        if self.main_process and flat_streak(self.records) == FLAT_STEPS:
+            print(f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so "
+                  "every advantage, loss and gradient was 0: this run is learning nothing (a warm "
+                  "start, an easier task or a larger group would give groups both outcomes)",
+                  file=sys.stderr)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         if self.tensorboard:
@@ -162,6 +168,16 @@ class RunLogger:
                 {k: [(r["step"], r[k]) for r in self.records if k in r] for k in keys},
                 self.out_dir / filename, title)
         return summary
+
+
+def flat_streak(records):
+    """How many of the last records in a row have zero_var_frac 1: no group had two rewards."""
+    streak = 0
+    for record in reversed(records):
+        if record.get("zero_var_frac") != 1.0:
+            break
+        streak += 1
+    return streak
 
 
 def plot_curves(curves, path, title, ylabel="", logy=False):
