@@ -39,9 +39,10 @@ from pathlib import Path
 # and /dev/shm) that exist only inside it: the repository, its .git and data, runs/, home folders,
 # /run and every socket path are absent. A seccomp filter (`seccomp_filter`) forbids children,
 # namespaces, ptrace and cross-process memory, keyrings, SysV IPC, memfd, fallocate, file locks
-# and leases, inotify/fanotify/dnotify, AIO, io_uring, userfaultfd, bpf, perf, clearing the
-# parent-death signal and the VSOCK/ALG sockets; rlimits cap CPU, memory, file size, open files
-# and threads; the environment is empty. Output comes back through pipes, read up to a byte cap:
+# and leases, inotify/fanotify/dnotify, AIO, io_uring, userfaultfd, bpf, perf, file times (the
+# bound device nodes are the host's), clearing the parent-death signal and the VSOCK/ALG sockets;
+# rlimits cap CPU, memory, locked memory, file size, open files, threads and priorities; the
+# environment is empty. Output comes back through pipes, read up to a byte cap:
 # the program holds no host file. The trainer learns the host PID of the namespace's first
 # process from bwrap (`--info-fd`) and kills it by a pidfd on every exit path: the PID namespace
 # and everything in it go with it.
@@ -61,7 +62,8 @@ mb = 1 << 20
 for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT_CPU, int(cpu_s)),
                      (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_NPROC, int(threads)), (resource.RLIMIT_CORE, 0),
-                     (resource.RLIMIT_MSGQUEUE, 0)]:
+                     (resource.RLIMIT_MSGQUEUE, 0), (resource.RLIMIT_MEMLOCK, 0),
+                     (resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0)]:
     resource.setrlimit(limit, (value, value))
 if uid != "-":  # a root trainer's call: its own host uid, no groups, no capabilities left
     os.setgroups([])
@@ -78,9 +80,10 @@ SYSCALLS = {
     "x86_64": {
         "arch": 0xC000003E,
         "deny": {"fork": 57, "vfork": 58, "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
-                 "flock": 73, "ptrace": 101, "io_setup": 206, "io_submit": 209,
-                 "add_key": 248, "request_key": 249, "keyctl": 250, "inotify_init": 253,
-                 "inotify_add_watch": 254, "unshare": 272, "inotify_init1": 294,
+                 "flock": 73, "ptrace": 101, "utime": 132, "io_setup": 206, "io_submit": 209,
+                 "utimes": 235, "add_key": 248, "request_key": 249, "keyctl": 250,
+                 "inotify_init": 253, "inotify_add_watch": 254, "futimesat": 261,
+                 "utimensat": 280, "unshare": 272, "inotify_init1": 294,
                  "fallocate": 285, "perf_event_open": 298, "fanotify_init": 300,
                  "fanotify_mark": 301, "setns": 308, "process_vm_readv": 310,
                  "process_vm_writev": 311, "kcmp": 312, "memfd_create": 319, "bpf": 321,
@@ -91,8 +94,8 @@ SYSCALLS = {
     "aarch64": {
         "arch": 0xC00000B7,
         "deny": {"io_setup": 0, "io_submit": 2, "inotify_init1": 26, "inotify_add_watch": 27,
-                 "flock": 32, "fallocate": 47, "unshare": 97, "ptrace": 117, "shmget": 194,
-                 "shmat": 196, "semget": 190, "msgget": 186, "add_key": 217,
+                 "flock": 32, "fallocate": 47, "utimensat": 88, "unshare": 97, "ptrace": 117,
+                 "shmget": 194, "shmat": 196, "semget": 190, "msgget": 186, "add_key": 217,
                  "request_key": 218, "keyctl": 219, "perf_event_open": 241,
                  "fanotify_init": 262, "fanotify_mark": 263, "setns": 268,
                  "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
@@ -152,6 +155,7 @@ def seccomp_filter(machine):
     for index, (code, if_true, if_false, k) in enumerate(instructions):
         jump_true = labels[if_true] - index - 1 if if_true else 0
         jump_false = labels[if_false] - index - 1 if if_false else 0
+        assert 0 <= jump_true < 256 and 0 <= jump_false < 256, "a jump past classic BPF's reach"
         assembled += struct.pack("<HBBI", code, jump_true, jump_false, k)
     return assembled
 
@@ -285,9 +289,10 @@ def isolation_problem():
         return problem
     output, ok = run_program("print(1)", 30, 256, 100, [], isolate=True)
     if (output, ok) != ("1", True):
-        fix = ("run the trainer as root with CAP_SYS_ADMIN (not in an unprivileged container)"
-               if os.geteuid() == 0 else "allow unprivileged user namespaces "
-               "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
+        fix = ("make the interpreter's files readable by other users, and run the trainer "
+               "with CAP_SYS_ADMIN (not in an unprivileged container)" if os.geteuid() == 0
+               else "allow unprivileged user namespaces (sysctl "
+               "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
         return (f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]}); "
                 f"to fix: {fix}")
     isolation_problem.ok = True
@@ -381,7 +386,7 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
         pidfd = None
         try:
             if isolate:
-                pidfd = namespace_pidfd(info, deadline)
+                pidfd = namespace_pidfd(info, deadline, process.pid)
             stdout, stderr, finished = read_capped(process, deadline, max_output + 1)
             if finished:  # its pipes closed: it has the rest of its time to exit
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -404,9 +409,10 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
     return text[:max_output] + cut, process.returncode == 0
 
 
-def namespace_pidfd(info, deadline):
-    """A pidfd of the PID namespace's first process, from the host PID that bwrap
-    writes to its info pipe once the namespace exists; None if bwrap ended first."""
+def namespace_pidfd(info, deadline, bwrap_pid):
+    """A pidfd of the PID namespace's first process, from the host PID that bwrap writes to its
+    info pipe once the namespace exists; None if it has ended: the process the pidfd holds must
+    still be bwrap's child (bwrap is this process's unreaped child, so its PID is its own)."""
     data = b""
     while time.monotonic() < deadline:
         if not select.select([info], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -416,9 +422,15 @@ def namespace_pidfd(info, deadline):
             break
         data += chunk
     try:
-        return os.pidfd_open(json.loads(data)["child-pid"])
-    except (ValueError, KeyError, ProcessLookupError):
+        pid = json.loads(data)["child-pid"]
+        pidfd = os.pidfd_open(pid)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ValueError, KeyError, OSError):
         return None
+    if int(stat.rsplit(")", 1)[1].split()[1]) != bwrap_pid:  # ended, and its PID taken since
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 def end_call(process, pidfd):

@@ -204,6 +204,7 @@ def rewrite(path):  # writes back what is there: harmless if it were allowed
 print(json.dumps({
     "sysctl": attempt(lambda: rewrite("/proc/sys/kernel/core_pattern")),
     "chmod a device": attempt(lambda: os.chmod("/dev/null", 0o666)),
+    "touch a device": attempt(lambda: os.utime("/dev/null")),
     "root-only /proc": attempt(lambda: open("/proc/kpageflags", "rb").read(8)),
     "/proc/keys": attempt(lambda: open("/proc/keys").read()),
     "write /": attempt(lambda: open("/x", "w")),
@@ -214,8 +215,11 @@ print(json.dumps({
     "write the working folder": attempt(lambda: open("x", "w")),
 }))
 """
+THREADS = ("import threading, time\nmade = 0\ntry:\n    for _ in range(3000):\n"
+           "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+           "        made += 1\nexcept RuntimeError:\n    pass\nprint(made)")
 PROBES_EXPECTED = {
-    "sysctl": ("EACCES", "EROFS"), "chmod a device": ("EPERM",),
+    "sysctl": ("EACCES", "EROFS"), "chmod a device": ("EPERM",), "touch a device": ("EPERM",),
     "root-only /proc": ("EACCES",), "/proc/keys": ("EACCES",), "write /": ("EROFS",),
     "write /dev": ("EROFS",), "write /usr/lib": ("EROFS",), "write /tmp": ("done",),
     "write /dev/shm": ("done",), "write the working folder": ("done",),
@@ -397,15 +401,33 @@ def run_as(uid, code, python=sys.executable, timeout=120, package=REPO):
     return done.stdout
 
 
+def a_normal_user_can_be_made():
+    """Why uid 1000's trainer cannot be made here (root, setpriv, a /usr/bin/python3 of this
+    interpreter's version to carry numpy, user namespaces for that user), or None."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        return "needs root, setpriv and unshare to become a normal user"
+    system = Path("/usr/bin/python3")
+    version = system.exists() and subprocess.run(
+        [system, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+    if not version or version.stdout.strip() != str(sys.version_info[:2]):
+        return "needs a /usr/bin/python3 of this interpreter's version (to carry its numpy)"
+    userns = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",
+                             "unshare", "--user", "true"], capture_output=True)
+    if userns.returncode:
+        return "the kernel gives uid 1000 no user namespace (the tool fails closed for it)"
+    return None
+
+
 @isolated
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None
-                    or not Path("/usr/bin/python3").exists(),
-                    reason="needs root, setpriv and /usr/bin/python3 to become a normal user")
 def test_a_normal_user_gets_the_same_isolation():
     """A trainer run by uid 1000 (from a venv of its own holding numpy and sympy): ordinary code
     works and runs isolated; the user's own private file, its folder and the network are out of
-    reach."""
+    reach; the host-state probes and the thread cap hold as for root."""
     import tempfile
+
+    why_not = a_normal_user_can_be_made()
+    if why_not:
+        pytest.skip(why_not)
 
     import numpy
     import sympy
@@ -448,6 +470,7 @@ def normal_user_run(tmp_path, numpy, sympy):
         f".sendto(b'x', ('127.0.0.1', {port}))",
         "import os\nos.fork()",
         PROBES,
+        THREADS,
     ]
     code = (f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"
             "    print(repr(sandbox.python_tool(p, timeout=20)))")
@@ -459,6 +482,8 @@ def normal_user_run(tmp_path, numpy, sympy):
     assert lines[5].endswith("False)"), lines  # no children
     probes = json.loads(ast.literal_eval(lines[6])[0])
     assert {k: v for k, v in probes.items() if v not in PROBES_EXPECTED[k]} == {}, probes
+    threads, ok = ast.literal_eval(lines[7])
+    assert ok and 0 < int(threads) < sandbox.THREADS, threads
     assert not (home / "pwned").exists()
     with pytest.raises(BlockingIOError):
         listener.recv(1)
@@ -582,7 +607,7 @@ def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state()
     import pwd
 
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
-    null_mode = os.stat("/dev/null").st_mode
+    null = os.stat("/dev/null")
     before = set(sandbox_processes())
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(
@@ -601,7 +626,8 @@ def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state()
     probes = json.loads(output)
     assert {k: v for k, v in probes.items() if v not in PROBES_EXPECTED[k]} == {}, probes
     assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
-    assert os.stat("/dev/null").st_mode == null_mode
+    after = os.stat("/dev/null")
+    assert (after.st_mode, after.st_mtime_ns) == (null.st_mode, null.st_mtime_ns)
 
 
 @isolated
@@ -622,10 +648,7 @@ def test_nothing_in_the_namespace_can_be_signalled_or_traced():
 @isolated
 def test_threads_are_capped_for_every_trainer_uid():
     """3 000 threads asked for, at most THREADS made (RLIMIT_NPROC binds the call's own uid)."""
-    output, ok = sandbox.python_tool(
-        "import threading, time\nmade = 0\ntry:\n    for _ in range(3000):\n"
-        "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
-        "        made += 1\nexcept RuntimeError:\n    pass\nprint(made)", timeout=20)
+    output, ok = sandbox.python_tool(THREADS, timeout=20)
     assert ok and 0 < int(output) < sandbox.THREADS, output
 
 
@@ -645,10 +668,14 @@ def test_a_stubborn_program_dies_with_its_timeout_and_with_a_killed_trainer():
     """A program that tries to clear its parent-death signal, ignores signals and leaves its
     session: gone at its timeout, and gone when its trainer is SIGKILLed mid-call."""
     before = set(sandbox_processes())
-    output, ok = sandbox.python_tool(STUBBORN, timeout=1)
-    assert (output, ok) == ("error: timed out after 1 s", False)
-    time.sleep(0.3)
-    assert left_behind() == [] and not set(sandbox_processes()) - before - set(left_behind())
+    seen = {}
+    thread = threading.Thread(
+        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2)))
+    thread.start()
+    program = program_pid(before, os.getpid())
+    thread.join()
+    assert seen["result"] == ("error: timed out after 2 s", False)
+    assert process_state(program) == "gone"
     trainer = run_trainer(f"sandbox.python_tool({STUBBORN!r}, timeout=60)")
     program = program_pid(before, trainer.pid)
     trainer.kill()
@@ -658,6 +685,25 @@ def test_a_stubborn_program_dies_with_its_timeout_and_with_a_killed_trainer():
         time.sleep(0.05)
     # a zombie at most, where this machine's PID 1 reaps no orphan
     assert process_state(program) in ("gone", "Z")
+
+
+@isolated
+def test_the_timeout_kills_the_namespace_by_itself(monkeypatch):
+    """Without bwrap's parent-death signal, the pidfd kill alone ends a stubborn call at its
+    timeout: the namespace's first process is killed, not only bwrap."""
+    command = sandbox.bwrap_command
+    monkeypatch.setattr(sandbox, "bwrap_command", lambda *a: [
+        arg for arg in command(*a) if arg != "--die-with-parent"])
+    before = set(sandbox_processes())
+    seen = {}
+    thread = threading.Thread(
+        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2)))
+    thread.start()
+    program = program_pid(before, os.getpid())
+    thread.join()
+    assert seen["result"] == ("error: timed out after 2 s", False)
+    time.sleep(0.2)
+    assert process_state(program) in ("gone", "Z")  # Z: left to a PID 1 that reaps nothing
 
 
 def process_state(pid):
