@@ -208,21 +208,30 @@ def broadcast_advantages(rewards, turns, group_size, mode="trajectory", eps=1e-4
     return torch.cat(rows)
 
 
-def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low, clip_high, beta,
-                   token_count, dual_clip=0.0):
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    """The surrogate's clips: ρ_t to [1 − low, 1 + high] (ε_low, ε_high), and the dual clip c
+    (0 = off)."""
+
+    low: float
+    high: float
+    dual: float = 0.0
+
+
+def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, token_count):
     """The paper's Flow-GRPO objective (Eqs. 5–6) as a loss, per planner token t of every
     turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref, clamped at 10 as
     verl's `low_var_kl`; N_tokens counts the mini-batch's planner tokens (DEVIATION 1: token-mean),
-    so micro-batches add up to the one-shot loss; `dual_clip` c > 0 caps the loss at c·|A| where
+    so micro-batches add up to the one-shot loss; `clip.dual` c > 0 caps the loss at c·|A| where
     A < 0 (verl's dual clip)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
-    pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip.low, 1 + clip.high)
     # the pessimistic branch of the clipped surrogate, capped by the dual clip
-    pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], dual_clip)
+    pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], clip.dual)
     kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0)  # verl's clamp, as the original
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
@@ -400,6 +409,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
+    # π_old (where samples are reused) and π_ref scored once per rollout batch
+    scoring = common.Scoring(
+        tokenizer, args.micro_batch_tokens, device, model=planner, reference=reference,
+        temperature=args.temperature, precision=args.mixed_precision)
+    clip = Clip(low=args.clip_eps, high=args.clip_eps_high, dual=args.dual_clip)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(
         out_dir,
@@ -453,23 +467,10 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
             len(trained_turns), args, step=step, accelerator=accelerator)
         # else on-policy: π_old = logp.detach()
         reused = args.inner_steps > 1 or len(minibatch_rows) > 1
-        minibatches = []
-        for rows in minibatch_rows:
-            micro_batches = common.scored_micro_batches(
-                tokenizer,
-                prompts,
-                completions,
-                sampler_logps=sampler_logps,
-                token_budget=args.micro_batch_tokens,
-                device=device,
-                model=planner,
-                reference=reference,
-                temperature=args.temperature,
-                with_old=reused,
-                precision=args.mixed_precision,
-                rows=rows,
-            )
-            minibatches.append(micro_batches)
+        minibatches = [
+            common.scored_micro_batches(prompts, completions, sampler_logps=sampler_logps,
+                                        scoring=scoring, rows=rows, with_old=reused)
+            for rows in minibatch_rows]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
@@ -493,11 +494,9 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                     mb.ref_logp,
                     advantages[rows],
                     mask,
-                    clip_low=args.clip_eps,
-                    clip_high=args.clip_eps_high,
+                    clip=clip,
                     beta=args.beta,
                     token_count=token_count,
-                    dual_clip=args.dual_clip,
                 )
                 common.check_finite(loss, step)
                 loss.backward()

@@ -308,31 +308,49 @@ class MicroBatch:
     ref_logp: torch.Tensor = None
 
 
-def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, token_budget, device,
-                         model=None, reference=None, temperature=1.0, with_old=True,
-                         with_reference=True, precision="auto", rows=None, equal_count=None):
-    """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most `token_budget`
-    packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
+@dataclasses.dataclass
+class Scoring:
+    """How `scored_micro_batches` packs and scores a step's rows, fixed for a run: the tokenizer,
+    the padded tokens per micro-batch (`token_budget`) and the device; the trainer `model` (None:
+    pack only) and the frozen `reference` (None: `model` with its adapter off), with the sampling
+    temperature and the precision their forwards score at; `with_reference`: score π_ref;
+    `equal_count` (a sharded model, whose every forward and backward is a collective): maps this
+    rank's number of micro-batches to the number every rank runs."""
+
+    tokenizer: object
+    token_budget: int
+    device: torch.device
+    model: torch.nn.Module = None
+    reference: torch.nn.Module = None
+    temperature: float = 1.0
+    precision: str = "auto"
+    with_reference: bool = True
+    equal_count: object = None
+
+
+def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=None,
+                         with_old=True):
+    """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most
+    `scoring.token_budget` packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
 
     Each is packed, with the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None)
-    placed on its mask. When `model` is given: with `with_old`, π_old = the trainer's own no-grad
-    forward of the same ids in the same mode and precision as the update's (a bf16 `generate` rounds
-    differently and stays a diagnostic only) — needed only where samples are reused (several
-    mini-batches or epochs); an on-policy update leaves it None and takes its own logp.detach(),
-    the same numbers without a second forward. With `with_reference`, π_ref (the frozen
-    `reference`, else `model` with its adapter off).
-
-    `equal_count` (a sharded model, whose every forward and backward is a collective): maps this
-    rank's number of micro-batches to the number every rank runs; empty micro-batches (no rows,
-    one masked-out token) are appended up to it."""
+    placed on its mask. When `scoring.model` is given: with `with_old`, π_old = the trainer's own
+    no-grad forward of the same ids in the same mode and precision as the update's (a bf16
+    `generate` rounds differently and stays a diagnostic only) — needed only where samples are
+    reused (several mini-batches or epochs); an on-policy update leaves it None and takes its own
+    logp.detach(), the same numbers without a second forward. With `scoring.with_reference`, π_ref
+    (the frozen `reference`, else `model` with its adapter off). With `scoring.equal_count`, empty
+    micro-batches (no rows, one masked-out token) are appended up to the count every rank runs."""
+    tokenizer, device, model = scoring.tokenizer, scoring.device, scoring.model
+    temperature = scoring.temperature
     subset = list(range(len(prompts))) if rows is None else rows
     packed = []
     if subset:  # an empty mini-batch (fewer rows than mini-batches) has none
-        packed = micro_batches(tokenizer, [prompts[r] for r in subset],
-                               [completions[r] for r in subset], token_budget)
-    packed = [[subset[k] for k in local] for local in packed]
-    if equal_count:
-        packed += [[]] * (equal_count(len(packed)) - len(packed))
+        local = micro_batches(tokenizer, [prompts[r] for r in subset],
+                              [completions[r] for r in subset], scoring.token_budget)
+        packed = [[subset[k] for k in rows_of_local] for rows_of_local in local]
+    if scoring.equal_count:
+        packed += [[]] * (scoring.equal_count(len(packed)) - len(packed))
     out = []
     for rows in packed:
         if rows:
@@ -345,13 +363,14 @@ def scored_micro_batches(tokenizer, prompts, completions, *, sampler_logps, toke
         if sampler_logps is not None:
             mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])
         if model is not None:
-            with torch.no_grad(), training_autocast(device, precision):
+            with torch.no_grad(), training_autocast(device, scoring.precision):
                 if with_old:
                     mb.old_logp = completion_logprobs(
                         model, ids, attn, mask.shape[1], temperature=temperature)
-                if with_reference:
+                if scoring.with_reference:
                     mb.ref_logp = reference_logprobs(
-                        model, reference, ids, attn, mask.shape[1], temperature=temperature)
+                        model, scoring.reference, ids, attn, mask.shape[1],
+                        temperature=temperature)
         out.append(mb)
     return out
 

@@ -205,25 +205,38 @@ def sde_step_with_logprob(
     return prev_sample.detach(), log_prob, mean, std
 
 
-def step_loss(v, v_ref, x, x_next, *, sigma, sigma_next, old_logp, advantages, args):
-    """The per-step objective at one trained denoising step j of a trajectory:
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Eq. 5's constants, read off the flags of the same names: the SDE's noise level a (Eq. 9),
+    the ratio's clip ε and the KL weight β."""
+
+    noise_level: float
+    clip_range: float
+    beta: float
+
+
+def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
+    """The per-step objective at one trained denoising step j of a trajectory, sigmas = (σ_j,
+    σ_{j+1}):
         ρ = exp(log π_θ(x_{j+1}|x_j) − log π_old(x_{j+1}|x_j))   (Eqs. 7–9 give the density)
         L = mean_i [ −min(ρ_i·A_i, clip(ρ_i, 1−ε, 1+ε)·A_i) + β·KL_i ],  KL = ‖μ_θ − μ_ref‖²/(2σ_t²)
     v_ref None means β = 0. Returns (loss, logp, stats)."""
+    sigma, sigma_next = sigmas
     _, logp, mean, std = sde_step_with_logprob(
-        v, x, sigma, sigma_next, args.noise_level, prev_sample=x_next)
+        v, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next)
     ratio = torch.exp(logp - old_logp)  # Eq. 5's ρ
+    clip = objective.clip_range
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_range, 1 + args.clip_range)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
     kl = torch.zeros_like(pg_loss)
     if v_ref is not None:
         _, _, ref_mean, _ = sde_step_with_logprob(
-            v_ref, x, sigma, sigma_next, args.noise_level, prev_sample=x_next)
+            v_ref, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next)
         # DEVIATION 2: official σ_t², not s²
         sigma_t = std / math.sqrt(float(sigma) - float(sigma_next))
         kl = gaussian_mean_kl(mean, ref_mean, sigma_t)
-    loss = (pg_loss + args.beta * kl).mean()  # Eq. 5
+    loss = (pg_loss + objective.beta * kl).mean()  # Eq. 5
     stats = {
         "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
         "ratio_max": ratio.max().item()}
@@ -270,7 +283,7 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step
     return torch.stack(latents), (torch.stack(log_probs) if log_probs else None)
 
 
-def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, args):
+def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, guidance, noise_level):
     """`rollout` with the SDE over `micro` rows at a time: noise[0] is x_1 (n, ...), noise[1:] each
     step's noise. Returns latents (T+1, n, ...) and the sampler's log-probs (T, n)."""
     parts = []
@@ -280,8 +293,8 @@ def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, args):
             velocity_fn, noise[0, rows], sigmas,
             cond=tuple(c[rows] for c in cond),
             empty=tuple(e[rows] for e in empty),
-            guidance=args.guidance,
-            noise_level=args.noise_level,
+            guidance=guidance,
+            noise_level=noise_level,
             step_noise=noise[1:, rows])
         parts.append(part)
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
@@ -431,6 +444,7 @@ def train(args):
     train_sigmas = schedule(args.train_steps, args.shift, device)
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
+    objective = Objective(noise_level=args.noise_level, clip_range=args.clip_range, beta=args.beta)
     out_dir, toy = Path(args.out_dir), not args.model
     gen = torch.Generator().manual_seed(args.seed)
     run = tracking.Run(
@@ -473,8 +487,9 @@ def train(args):
         # 2. SDE rollouts (Eq. 9) in the training micro-batch shape (DEVIATION 6):
         #    latents (T+1, n, ...) and the sampler's per-step log-probs (T, n)
         with phases.time("rollout"):
-            latents, old_logp = sde_rollouts(
-                velocity, noise, train_sigmas, cond, empty, micro=micro_rows, args=args)
+            latents, old_logp = sde_rollouts(velocity, noise, train_sigmas, cond, empty,
+                                             micro=micro_rows, guidance=args.guidance,
+                                             noise_level=args.noise_level)
 
         # 3. rewards → group advantages (Eq. 4), shared by every step of a trajectory
         with phases.time("prepare"):
@@ -506,10 +521,8 @@ def train(args):
                     sub_cond = tuple(c[rows] for c in cond)
                     sub_empty = tuple(e[rows] for e in empty)
                     for j in range(trained_steps):  # every trained denoising step of these samples
-                        x = latents[j][rows]
-                        x_next = latents[j + 1][rows]
+                        x, x_next = latents[j][rows], latents[j + 1][rows]
                         sigma = train_sigmas[j]
-                        sigma_next = train_sigmas[j + 1]
                         step_old_logp = old_logp[j][rows]
                         v = guided_velocity(velocity, x, sigma, sub_cond, sub_empty, args.guidance)
                         v_ref = None  # β = 0 needs no reference
@@ -518,16 +531,9 @@ def train(args):
                                 v_ref = guided_velocity(
                                     task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
                         loss, logp, stats = step_loss(
-                            v,
-                            v_ref,
-                            x,
-                            x_next,
-                            sigma=sigma,
-                            sigma_next=sigma_next,
-                            old_logp=step_old_logp,
-                            advantages=advantages[rows],
-                            args=args,
-                        )
+                            v, v_ref, x, x_next, sigmas=train_sigmas[j : j + 2],
+                            old_logp=step_old_logp, advantages=advantages[rows],
+                            objective=objective)
                         if m == 0:  # nothing updated yet: scores what the rollout drew
                             gap = (logp.detach() - step_old_logp).abs().max()
                             sampler_dev = max(sampler_dev, gap.item())

@@ -266,7 +266,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip
 
 
 @torch.no_grad()
-def sample_groups(model, tokenizer, prompts, *, group_size, seeds, args, stop_at_eos):
+def sample_groups(model, tokenizer, prompts, *, group_size, seeds, generation, stop_at_eos):
     """G completions of each prompt → [(text, completion ids, sampler log-probs)], a group's G
     contiguous, in one `generate` call per --gen-batch rows.
 
@@ -276,8 +276,8 @@ def sample_groups(model, tokenizer, prompts, *, group_size, seeds, args, stop_at
     row_seeds = [seed * 1_000 + row for seed in seeds for row in range(group_size)]
     return common.sample_completions(
         model, tokenizer, [prompt for prompt in prompts for _ in range(group_size)],
-        args.max_new_tokens, temperature=args.temperature, stop_at_eos=stop_at_eos,
-        batch_rows=args.gen_batch, precision=args.mixed_precision, row_seeds=row_seeds)
+        generation.max_new_tokens, temperature=generation.temperature, stop_at_eos=stop_at_eos,
+        batch_rows=generation.gen_batch, precision=generation.mixed_precision, row_seeds=row_seeds)
 
 
 def scalars(metrics, all_keys=False):
@@ -357,6 +357,11 @@ def train(args):
         distributed.shard(model, bf16)
         distributed.shard(ref_model, bf16)
         equal_count = distributed.equal_count(accelerator)
+    # π_old (where samples are reused) and π_ref (not for GRPO) scored once per rollout batch
+    scoring = common.Scoring(
+        tokenizer, args.micro_batch_tokens, device, model=model, reference=ref_model,
+        precision=args.mixed_precision, with_reference=args.algo != "grpo", equal_count=equal_count)
+    generation = flowrl_tasks.Generation.from_args(args)
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
     optimizer, trained = make_optimizer(model, head, args)
     gen = torch.Generator().manual_seed(args.seed)
@@ -380,7 +385,8 @@ def train(args):
     if "first" in extra:  # a resumed run: the start was evaluated before its checkpoint
         first = extra["first"]
     else:
-        first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+        first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
+                                      generation=generation, accelerator=accelerator)
     sampler_dev, final = extra.get("sampler_dev", 0.0), {}
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     num_prompts = len(task.prompts)
@@ -399,7 +405,7 @@ def train(args):
                     group_prompts,
                     group_size=args.group_size,
                     seeds=seeds,
-                    args=args,
+                    generation=generation,
                     stop_at_eos=task.kind != "valleys",
                 )
             prompt_ids = [i for i in picked for _ in range(args.group_size)]
@@ -416,25 +422,11 @@ def train(args):
         #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
         model.train()
         reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
-        minibatches = []
         with phases.time("prepare"):
-            for rows in common.split_minibatches(len(samples), args.minibatches):
-                micro_batches = common.scored_micro_batches(
-                    tokenizer,
-                    prompts,
-                    completions,
-                    sampler_logps=sampler_logps,
-                    token_budget=args.micro_batch_tokens,
-                    device=device,
-                    model=model,
-                    reference=ref_model,
-                    with_old=reused,
-                    with_reference=args.algo != "grpo",
-                    precision=args.mixed_precision,
-                    rows=rows,
-                    equal_count=equal_count,
-                )
-                minibatches.append(micro_batches)
+            minibatches = [
+                common.scored_micro_batches(prompts, completions, sampler_logps=sampler_logps,
+                                            scoring=scoring, rows=rows, with_old=reused)
+                for rows in common.split_minibatches(len(samples), args.minibatches)]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
         # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
@@ -531,13 +523,15 @@ def train(args):
         record |= phases.seconds()  # 1, 2-4 (π_old, π_ref), 5
         record |= tracking.token_counts(completions, every_micro_batch, args.inner_steps)
         if step % args.eval_every == 0 or step == args.steps:
-            evaluation = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+            evaluation = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
+                                               generation=generation, accelerator=accelerator)
             final = evaluation if step == args.steps else final
             record |= scalars(evaluation)
         run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
 
     if not final:  # resumed a finished run
-        final = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, args, accelerator)
+        final = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
+                                      generation=generation, accelerator=accelerator)
     summary = flowrl_tasks.summary_of(scalars(first, all_keys=True), scalars(final, all_keys=True),
                                       args, task) | {"sampler_logprob_max_dev": sampler_dev}
     plots = flowrl_tasks.run_plots(first, final, args, task, out_dir) if main else []

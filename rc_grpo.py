@@ -226,13 +226,14 @@ def build_rctp_data(world, entries, args):
     <|low_reward|>), 1:1 (RCTP-FT). Failures are collected `args.gen_batch` rollouts at a time.
     Returns (trajectories, each a list of step samples; number of failures found)."""
     repeated = [e for e in entries for _ in range(args.failure_rollouts)]
+    limits = bfcl.Limits.from_args(args)
     rollouts = []
     for lo in range(0, len(repeated), args.gen_batch):
         chunk = repeated[lo : lo + args.gen_batch]
         rollouts += [
             {"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
             for r in bfcl.run_rollouts(
-                world, chunk, [None] * len(chunk), temperature=1.0, args=args)
+                world, chunk, [None] * len(chunk), temperature=1.0, limits=limits)
         ]
     every_failure = [r for r in rollouts if r["reward"] == 0]
     random.Random(args.seed).shuffle(every_failure)
@@ -264,6 +265,7 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     autocast = common.training_autocast(model.device, precision)
+    packing = common.Scoring(tokenizer, token_budget, model.device)  # packed, not scored
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
@@ -274,8 +276,7 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
             token_count = sum(len(c) for c in completions)
             optimizer.zero_grad()
             for mb in common.scored_micro_batches(
-                    tokenizer, prompts, completions, sampler_logps=None,
-                    token_budget=token_budget, device=model.device):
+                    prompts, completions, sampler_logps=None, scoring=packing):
                 with autocast:
                     logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
                 (-(logp * mb.mask).sum() / token_count).backward()
@@ -300,7 +301,8 @@ def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
         every_seed = [distributed.sampling_seed(args.seed, 0, k) for k in range(len(entries))]
         seeds = every_seed[rank::ranks]
     goals = [reward_goal(token)] * len(mine)
-    rollouts = bfcl.run_rollouts(world, mine, goals, temperature, args, seeds=seeds)
+    limits = bfcl.Limits.from_args(args)
+    rollouts = bfcl.run_rollouts(world, mine, goals, temperature, limits, seeds=seeds)
     my_scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in rollouts]
     scores = gather_object(my_scores) if ranks > 1 else my_scores
     rewards, checked = zip(*scores)
@@ -353,6 +355,12 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     autocast = common.training_autocast(model.device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.tasks_per_step, accelerator)
+    limits = bfcl.Limits.from_args(args)  # a rollout's token, row and step caps
+    # π_ref scored once per step (none when β = 0)
+    scoring = common.Scoring(
+        tokenizer, args.micro_batch_tokens, model.device, model=model, reference=reference,
+        temperature=args.temperature, precision=args.mixed_precision,
+        with_reference=bool(args.beta))
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(
         out_dir / name,
@@ -393,7 +401,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         #    (Sec. 3.3)
         goals = [reward_goal(t) for t in tokens]
         with phases.time("rollout"):
-            rollouts = bfcl.run_rollouts(world, entries, goals, args.temperature, args)
+            rollouts = bfcl.run_rollouts(world, entries, goals, args.temperature, limits)
         rewards = torch.tensor([r["reward"] for r in rollouts])
 
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
@@ -414,20 +422,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         step_advantages = torch.tensor([a for _, a in model_steps], device=model.device)
         with phases.time("prepare"):
             micro_batches = common.scored_micro_batches(
-                tokenizer,
-                prompts,
-                completions,
-                sampler_logps=sampler_logps,
-                token_budget=args.micro_batch_tokens,
-                device=model.device,
-                model=model,
-                reference=reference,
-                temperature=args.temperature,
-                with_old=False,
-                with_reference=bool(args.beta),
-                precision=args.mixed_precision,
-                rows=scored,
-            )
+                prompts, completions, sampler_logps=sampler_logps, scoring=scoring, rows=scored,
+                with_old=False)
         metrics = tracking.StepMetrics()  # every micro-batch
         with phases.time("update"):
             optimizer.zero_grad()

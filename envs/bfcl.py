@@ -420,6 +420,24 @@ class World:
     reveal_message: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a rollout reads off the flags of the same names: tokens per model step, rows and padded
+    tokens per `generate` call, model steps per user turn, prompt tokens before a dialogue is
+    abandoned, the forwards' precision."""
+
+    max_new_tokens: int
+    gen_batch: int
+    gen_tokens: int
+    max_steps: int
+    max_prompt_tokens: int
+    mixed_precision: str
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
+
+
 def build_bfcl(args, device):
     """An HF instruct model (LoRA when --lora-rank) on the real BFCL v4 split. The reward tokens
     stay plain text (a few sub-word tokens each): new embedding rows would not be trained by LoRA on
@@ -516,14 +534,14 @@ def decode_calls(text):
         return []
 
 
-def run_rollouts(world, entries, goals, temperature, args, seeds=None):
+def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
     """Play each entry with BFCL's protocol, its first user message ending in its goal text (None =
     none): per user turn, generate → decode → execute → append the results, until the output
-    decodes to no call (the turn ends); more than `args.max_steps` steps in one turn abandons the
+    decodes to no call (the turn ends); more than `limits.max_steps` steps in one turn abandons the
     entry (BFCL: 20). With `seeds` (one per entry), each model step of a dialogue draws from its
     own seed, so a dialogue samples the same whatever it is batched with (or on which rank).
 
-    All rollouts advance together (one batched `generate` per step, `args.gen_batch` rows at a
+    All rollouts advance together (one batched `generate` per step, `limits.gen_batch` rows at a
     time). Returns, per rollout, its steps (prompt, completion ids, sampling log-probs),
     `calls_per_turn`, and R = trajectory_reward.
     """
@@ -552,7 +570,7 @@ def run_rollouts(world, entries, goals, temperature, args, seeds=None):
         encoded = world.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         lengths = [len(ids) for ids in encoded]
         for run, length in zip(active, lengths):
-            run["done"] = run["abandoned"] = length > args.max_prompt_tokens
+            run["done"] = run["abandoned"] = length > limits.max_prompt_tokens
         keep = [k for k, run in enumerate(active) if not run["done"]]
         active, prompts = [active[k] for k in keep], [prompts[k] for k in keep]
         if not active:
@@ -561,9 +579,9 @@ def run_rollouts(world, entries, goals, temperature, args, seeds=None):
         if seeds:  # the dialogue's seed and its step
             row_seeds = [distributed.sampling_seed(r["seed"], len(r["steps"]), 0) for r in active]
         outputs = common.sample_completions(
-            world.model, world.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
-            batch_rows=args.gen_batch, token_budget=args.gen_tokens,
-            precision=args.mixed_precision, row_seeds=row_seeds)
+            world.model, world.tokenizer, prompts, limits.max_new_tokens, temperature=temperature,
+            batch_rows=limits.gen_batch, token_budget=limits.gen_tokens,
+            precision=limits.mixed_precision, row_seeds=row_seeds)
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})
@@ -574,7 +592,7 @@ def run_rollouts(world, entries, goals, temperature, args, seeds=None):
                 run["messages"].append(
                     {"role": "tool", "content": observation(world, results)})
                 run["turn_steps"] += 1
-                run["done"] = run["turn_steps"] > args.max_steps  # BFCL's force-quit
+                run["done"] = run["turn_steps"] > limits.max_steps  # BFCL's force-quit
                 continue
             run["turn"], run["turn_steps"] = run["turn"] + 1, 0
             if run["turn"] < len(run["entry"]["question"]):
@@ -589,7 +607,7 @@ def run_rollouts(world, entries, goals, temperature, args, seeds=None):
 def format_calls(world, entry, goal, args):
     """What the policy calls on one entry, turn by turn (greedy, under the reward `goal` text),
     beside the expected calls: the before/after view of rollouts.txt."""
-    (run,) = run_rollouts(world, [entry], [goal], 0.0, args)
+    (run,) = run_rollouts(world, [entry], [goal], 0.0, Limits.from_args(args))
     lines = [f"{entry['id']} ({goal or 'no reward goal'}): reward {run['reward']:.0f}"]
     for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
         asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""

@@ -40,6 +40,26 @@ class Task:
         return score(self.kind, text, self.answers[i])
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """How FlowRL generates, for its sampler and its evaluations, read off the flags of the same
+    names: the run's seed, the |y| cap, the rollout and Avg@k temperatures, the k of Avg@k, the
+    answer spread's samples, prompts per `generate` call and the forwards' precision."""
+
+    seed: int
+    max_new_tokens: int
+    temperature: float
+    eval_temperature: float
+    eval_k: int
+    spread_samples: int
+    gen_batch: int
+    mixed_precision: str
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
+
+
 def score(kind, text, answer):
     """r(x, y): the toy's table entry, math-verify's verdict, or whether the reply's integer is a
     correct one."""
@@ -216,7 +236,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
 
 
 @torch.no_grad()
-def avg_at_k(model, tokenizer, task, args, accelerator):
+def avg_at_k(model, tokenizer, task, generation, accelerator):
     """Avg@k: mean reward of k samples per eval question at the eval temperature (FlowRL's
     setup); with k = 1 at T = 0 it is greedy accuracy. Sharded: each rank samples every N-th of
     the k·|eval| rows and the scores are gathered, so no rank waits while another evaluates. Each
@@ -224,32 +244,35 @@ def avg_at_k(model, tokenizer, task, args, accelerator):
     for any number of ranks."""
     from accelerate.utils import gather_object
 
-    rows = [(prompt, answer) for prompt, answer in task.eval_rows for _ in range(args.eval_k)]
-    row_seeds = [distributed.sampling_seed(args.seed, 0, r) for r in range(len(rows))]
+    rows = [(prompt, answer) for prompt, answer in task.eval_rows for _ in range(generation.eval_k)]
+    row_seeds = [distributed.sampling_seed(generation.seed, 0, r) for r in range(len(rows))]
     mine = rows[accelerator.process_index :: accelerator.num_processes]
     my_seeds = row_seeds[accelerator.process_index :: accelerator.num_processes]
+    sampled = generation.eval_temperature > 0
     samples = common.sample_completions(
-        model, tokenizer, [prompt for prompt, _ in mine], args.max_new_tokens,
-        temperature=args.eval_temperature, batch_rows=args.gen_batch,
-        precision=args.mixed_precision, row_seeds=my_seeds if args.eval_temperature > 0 else None)
+        model, tokenizer, [prompt for prompt, _ in mine], generation.max_new_tokens,
+        temperature=generation.eval_temperature, batch_rows=generation.gen_batch,
+        precision=generation.mixed_precision, row_seeds=my_seeds if sampled else None)
     scores = [score(task.kind, text, answer) for (text, _, _), (_, answer) in zip(samples, mine)]
     scores = gather_object(scores) if accelerator.num_processes > 1 else scores
     return {"avg_at_k": sum(scores) / len(scores)}
 
 
 @torch.no_grad()
-def answer_spread(model, tokenizer, task, args):
+def answer_spread(model, tokenizer, task, generation):
     """Where the correct answers go: `spread_samples` replies per question at T = 1 → success rate,
     distinct correct answers (summed over questions), and the entropy (nats) of the correct answers'
     empirical distribution, averaged over questions. A reward maximiser may pile onto one answer
     per question (entropy → 0); p* ∝ π_ref·exp(β·r) keeps π_ref's spread over the correct ones.
     One seed for the whole measurement, so every arm of a seed starts from the same numbers."""
     out = {"spread_reward": 0.0, "distinct_correct": 0, "correct_entropy": 0.0, "counts": []}
-    n = args.spread_samples
-    torch.manual_seed(distributed.sampling_seed(args.seed, 0, 0))  # step 0: never a training step
+    n = generation.spread_samples
+    # step 0: never a training step
+    torch.manual_seed(distributed.sampling_seed(generation.seed, 0, 0))
     replies = common.sample_completions(
         model, tokenizer, [prompt for prompt in task.prompts for _ in range(n)],
-        args.max_new_tokens, batch_rows=args.gen_batch, precision=args.mixed_precision)
+        generation.max_new_tokens, batch_rows=generation.gen_batch,
+        precision=generation.mixed_precision)
     for i, correct_set in enumerate(task.answers):
         found = (reply_integer(text, first=False) for text, _, _ in replies[i * n : (i + 1) * n])
         correct = [number for number in found if number in correct_set]
@@ -408,18 +431,21 @@ def build(args, device):
     return tokenizer, model.to(device), task
 
 
-def evaluate(model, ref_model, tokenizer, task, args, accelerator):
-    """What this task measures: the toy's exact metrics, the answer spread, or Avg@k ({} when the
-    task has no held-out rows). Every rank calls it: Avg@k is sharded, the others are computed
-    alike on every rank (exact, or one fixed seed). Leaves the model in training mode. A sharded
-    model is gathered once for the whole evaluation (`distributed.unsharded`)."""
+def evaluate(model, ref_model, tokenizer, task, *, beta, generation, accelerator):
+    """What this task measures: the toy's exact metrics (p* at `beta`), the answer spread, or Avg@k
+    ({} when the task has no held-out rows), sampled as `generation` says. Every rank calls it:
+    Avg@k is sharded, the others are computed alike on every rank (exact, or one fixed seed).
+    Leaves the model in training mode. A sharded model is gathered once for the whole evaluation
+    (`distributed.unsharded`)."""
     with distributed.unsharded(model):
         if task.kind == "valleys":
-            metrics = exact_metrics(model, ref_model, tokenizer, task, args.beta)
+            metrics = exact_metrics(model, ref_model, tokenizer, task, beta)
         elif task.kind == "numbers":
-            metrics = answer_spread(model, tokenizer, task, args)
+            metrics = answer_spread(model, tokenizer, task, generation)
+        elif task.eval_rows:
+            metrics = avg_at_k(model, tokenizer, task, generation, accelerator)
         else:
-            metrics = avg_at_k(model, tokenizer, task, args, accelerator) if task.eval_rows else {}
+            metrics = {}
     model.train()
     return metrics
 

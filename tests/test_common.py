@@ -89,7 +89,7 @@ def script_losses():
         "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(
             lp, old, lp.detach(), adv, m, clip_eps=eps, beta=0.0, token_count=m.sum()),
         "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
-            lp, old, lp.detach(), adv, m, clip_low=eps, clip_high=eps, beta=0.0,
+            lp, old, lp.detach(), adv, m, clip=agentflow.Clip(low=eps, high=eps), beta=0.0,
             token_count=m.sum()),
     }
 

@@ -121,8 +121,9 @@ def test_micro_batches_never_exceed_their_token_budget():
                    for _ in range(rows)]
         completions = [[5] * rng.randint(0, 30) for _ in range(rows)]
         budget = rng.randint(1, 300)
+        packing = common.Scoring(tokenizer, budget, "cpu")
         batches = common.scored_micro_batches(
-            tokenizer, prompts, completions, sampler_logps=None, token_budget=budget, device="cpu")
+            prompts, completions, sampler_logps=None, scoring=packing)
         assert sorted(r for mb in batches for r in mb.rows) == list(range(rows))
         for mb in batches:
             assert mb.ids.numel() <= budget or len(mb.rows) == 1, (trial, mb.ids.shape, budget)

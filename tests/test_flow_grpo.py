@@ -3,7 +3,6 @@ tiny SD3."""
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,7 +281,7 @@ def tiny_full_size_transformer():
 def policy_gradient(net, dtype, j, loss_scale=1.0):
     """∂L/∂θ_LoRA of the real per-step loss (A = 1, weight 1/(9 steps · 4 rows)), CFG 4.5, at step
     j."""
-    args = SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.0)
+    objective = flow_grpo.Objective(noise_level=0.7, clip_range=1e-4, beta=0.0)
     sigmas = flow_grpo.schedule(10, 3.0, torch.device("cpu"))
     gen = torch.Generator().manual_seed(j)
     x, embeds, pooled = (
@@ -304,8 +303,8 @@ def policy_gradient(net, dtype, j, loss_scale=1.0):
     x_next, old_logp, _, _ = flow_grpo.sde_step_with_logprob(
         v.detach(), x, sigmas[j], sigmas[j + 1], 0.7, noise=torch.randn(x.shape, generator=gen))
     loss, _, _ = flow_grpo.step_loss(
-        v, None, x, x_next, sigma=sigmas[j], sigma_next=sigmas[j + 1], old_logp=old_logp,
-        advantages=torch.ones(2), args=args)
+        v, None, x, x_next, sigmas=sigmas[j : j + 2], old_logp=old_logp,
+        advantages=torch.ones(2), objective=objective)
     (loss * loss_scale / 36).backward()
     return torch.cat([p.grad.flatten() / loss_scale for p in params])
 

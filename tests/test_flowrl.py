@@ -393,7 +393,8 @@ def test_a_resumed_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
     checkpoint: resuming reads it back instead of evaluating the trained weights as the start."""
     calls = []
     evaluate = flowrl_tasks.evaluate
-    monkeypatch.setattr(flowrl_tasks, "evaluate", lambda *a: calls.append(1) or evaluate(*a))
+    monkeypatch.setattr(
+        flowrl_tasks, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
     flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1"]
     fresh = flowrl.train(toy_args(tmp_path, *flags))
     assert len(calls) == 2  # the start and the end
