@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ["", "envs", "utils", "tests", "benchmarks"]
 SOURCES = sorted(p for d in FOLDERS for p in (ROOT / d).glob("*.py"))
@@ -73,19 +75,86 @@ def test_the_four_scripts_share_the_run_flags():
             assert shapes.setdefault(flag, shape) == shape, (name, flag, shape, shapes[flag])
 
 
-def test_the_loops_read_at_cleanrl_density():
-    """Inside each training loop: at most 56 characters per non-blank line, 10 % of lines of 95
-    columns or more, 1.0 calls per simple statement (CleanRL's ppo.py loop: 54.5, 10 %, 0.89)."""
+def ruff(*command):
+    import subprocess
     import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import readability
+    return subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True,
+                          text=True)
+
+
+@pytest.mark.xfail(strict=False, reason="laid out by hand until the one `ruff format` commit")
+def test_ruff_check_passes():
+    """ruff.toml's rules (pycodestyle, pyflakes, import order, bugbear) over the project's Python
+    and its notebooks."""
+    result = ruff("check", "--output-format", "concise", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.xfail(strict=False, reason="laid out by hand until the one `ruff format` commit")
+def test_ruff_format_leaves_every_file_as_it_is():
+    """The layout is `ruff format`'s (line length 100, magic trailing comma off): a call that fits
+    on one line is on one line, and none is tuned by hand."""
+    result = ruff("format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def rebinding_chains(tree):
+    """`x = f(...)` then, later in the same block, `x = g(x)`: one name for a list, a tensor and a
+    gathered tensor in turn. Returns the line numbers of the second assignments."""
+    import ast
+
+    def assigned(node):
+        simple = isinstance(node, ast.Assign) and len(node.targets) == 1
+        return node.targets[0].id if simple and isinstance(node.targets[0], ast.Name) else None
+
+    found = []
+    for block in (getattr(n, field, None) for n in ast.walk(tree)
+                  for field in ("body", "orelse", "finalbody")):
+        if not isinstance(block, list):
+            continue
+        for k, statement in enumerate(block):
+            name = assigned(statement)
+            value = ast.walk(statement.value) if name else ()
+            reads = {n.id for n in value if isinstance(n, ast.Name)}
+            if name in reads and any(assigned(earlier) == name for earlier in block[:k]):
+                found.append(statement.lineno)
+    return found
+
+
+def crowded_calls_in_loops(tree, limit=8):
+    """Calls inside a loop (or a comprehension) that take more than `limit` arguments: what the
+    formatter would still stack one per line. Returns their line numbers."""
+    import ast
+
+    loops = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    return sorted({call.lineno for loop in ast.walk(tree) if isinstance(loop, loops)
+                   for call in ast.walk(loop) if isinstance(call, ast.Call)
+                   and len(call.args) + len(call.keywords) > limit})
+
+
+def test_no_rebinding_chain_and_no_crowded_call_in_a_loop():
+    """In the four algorithm files: one name per meaning (no `x = g(x)` after `x = f(...)`), and no
+    call in a loop with more than 8 arguments (a group of values that travel together is one
+    object)."""
+    import ast
 
     for name in ALGORITHMS:
-        loop = readability.report(name)["loop"]
-        assert loop["chars_per_line"] <= 56, (name, loop)
-        assert loop["share_ge_95"] <= 0.10, (name, loop)
-        assert loop["calls_per_statement"] <= 1.0, (name, loop)
+        tree = ast.parse((ROOT / name).read_text(encoding="utf-8"))
+        assert not rebinding_chains(tree), (name, "rebinding chains", rebinding_chains(tree))
+        crowded = crowded_calls_in_loops(tree)
+        assert not crowded, (name, "calls in a loop with more than 8 arguments", crowded)
+
+
+def test_the_rule_finds_what_it_names():
+    import ast
+
+    chain = ast.parse("def f(x):\n    y = g(x)\n    z = 1\n    y = y.cpu()\n")
+    renamed = ast.parse("def f(x):\n    y = g(x)\n    y_cpu = y.cpu()\n")
+    crowded = ast.parse("for i in r:\n    h(1, 2, 3, 4, 5, a=6, b=7, c=8, d=9)\n")
+    assert rebinding_chains(chain) == [4] and not rebinding_chains(renamed)
+    assert crowded_calls_in_loops(crowded) == [2]
+    assert not crowded_calls_in_loops(ast.parse("h(1, 2, 3, 4, 5, a=6, b=7, c=8, d=9)\n"))
 
 
 def test_project_calls_pass_few_positional_arguments():
