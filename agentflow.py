@@ -24,11 +24,19 @@ Equation map (paper → function):
     tools       a model-written Python tool, isolated by the OS            → sandbox.python_tool
 
 Deviations (numbered, on purpose):
-    1. Turn-samples are averaged token-wise over the whole batch (common `token-mean`, as the
-       official verl code), not (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j as the paper's objective writes.
+    1. The loss is one token-mean over each optimiser step's mini-batch on each rank (the ranks'
+       gradients then averaged): every planner token weighs alike, however the token budget packs
+       it into micro-batches (`--micro-batch-tokens` bounds memory, not the loss). The paper writes
+       (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j; the original's verl 0.5.0 takes a token-mean per 4-row
+       micro-batch (`ppo_micro_batch_size_per_gpu`, `train/config.yaml`), divides it by the
+       accumulation count and averages over the GPUs: a mean of micro-batch means, in which a short
+       turn's tokens weigh more when its micro-batch holds short turns (tests/test_agentflow.py
+       computes both on uneven turns).
     2. The toy's modules are deterministic rules (`build_toy`); at full scale the query analyser,
        executor, verifier and generator are the base model with the LoRA adapter off (the paper's
-       frozen modules), which also writes the query analysis the planner reads.
+       frozen modules, §4.1), which also writes the query analysis the planner reads. The
+       original's released config runs its fixed planner, verifier and executor on gpt-4o-mini
+       (`MODEL_ENGINE`, `train/config.yaml`).
     3. Toy answers are judged by exact match; the paper uses a GPT-4o judge. Full scale: a number
        must equal the answer's last number, a text answer must appear in it as whole words.
     4. Full-scale prompts are short paraphrases of the original ones (the planner sees the question,
@@ -45,6 +53,20 @@ Deviations (numbered, on purpose):
     6. The planner starts from a supervised warm start on demonstrations of the plan's format
        (`warm_start`; the toy's tiny LM and the SmolLM2 preset; the full preset has none): the
        paper trains an instruction model that already writes it.
+    7. Every turn row is trained. The original (`agentflow/verl/trainer.py`) drops the rows whose
+       prompt exceeds 18 432 tokens (`data.max_prompt_length`), then floors the row count to a
+       multiple of 8 (`ppo_mini_batch_size`) and of the GPU count, dropping the rest. Here the
+       prompts stay bounded instead (each frozen module's output capped, memory fields cut at 500
+       characters), and ranks agree on a number of mini-batches (a rank short of rows takes empty
+       ones), so no row has to go and a last mini-batch may be partial.
+    8. Each rank shuffles its own turn rows (seeded by seed, step and rank) and cuts them into
+       `--minibatch-rows`/N-row mini-batches. The original shuffles the whole batch once before
+       it splits it over the GPUs (and verl's `balance_batch` then reorders it so each GPU gets
+       about the same number of tokens). Kept so a rank trains the rows it rolled out: no
+       variable-length rows move between processes.
+    9. A non-finite gradient norm stops the run with one line (`common.check_finite`), where verl
+       skips that optimiser step and goes on (`dp_actor.py`): in this code such a norm has meant a
+       bug or a diverged run, which a skipped step would hide in the log.
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy 0.577 → 0.921; final-turn 0.426
@@ -223,16 +245,16 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, to
     turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
-    A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref, clamped at 10 as
-    verl's `low_var_kl`; N_tokens counts the mini-batch's planner tokens (DEVIATION 1: token-mean),
-    so micro-batches add up to the one-shot loss; `clip.dual` c > 0 caps the loss at c·|A| where
-    A < 0 (verl's dual clip)."""
+    A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref as verl's
+    `low_var_kl` (log-ratio clamped to ±20, k3 to ±10); N_tokens counts the mini-batch's planner
+    tokens (DEVIATION 1: token-mean), so micro-batches add up to the one-shot loss; `clip.dual`
+    c > 0 caps the loss at c·|A| where A < 0 (verl's dual clip)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip.low, 1 + clip.high)
     # the pessimistic branch of the clipped surrogate, capped by the dual clip
     pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], clip.dual)
-    kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0)  # verl's clamp, as the original
+    kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0, log_ratio_limit=20.0)  # verl's clamps
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),

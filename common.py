@@ -401,13 +401,16 @@ def dual_clip(pg_loss, advantages, c):
     return torch.where(advantages < 0, torch.minimum(pg_loss, -c * advantages), pg_loss)
 
 
-def kl_penalty(logp, ref_logp, kind="k3", limit=None):
+def kl_penalty(logp, ref_logp, kind="k3", limit=None, log_ratio_limit=None):
     """Per-token KL(π_θ‖π_ref) estimate with d = log π_ref − log π_θ (GRPO; Schulman 2020).
 
     k1 = −d (unbiased, can be negative); k2 = d²/2; k3 = e^d − d − 1 (≥ 0, unbiased under y ~ π_θ).
-    limit: clamp the estimate to [−limit, limit] (verl's `low_var_kl` clamps k3 at 10).
+    limit: clamp the estimate to [−limit, limit]; log_ratio_limit: clamp d to that range first
+    (verl's `low_var_kl`: d to ±20, so e^d stays finite, then k3 to ±10).
     """
     d = ref_logp - logp
+    if log_ratio_limit is not None:
+        d = d.clamp(-log_ratio_limit, log_ratio_limit)
     if kind == "k1":
         kl = -d
     elif kind == "k2":

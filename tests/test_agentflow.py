@@ -57,6 +57,58 @@ def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
     assert [len(p) for p in whole] == [10]
 
 
+def test_the_loss_is_one_token_mean_per_mini_batch_not_verls_mean_of_micro_batch_means(
+        tmp_path, monkeypatch):
+    """DEVIATION 1 on a real toy step: the script's loss (its micro-batches' losses, summed) is one
+    token-mean over the mini-batch; verl 0.5.0's, a mean of 4-row micro-batch token-means, differs
+    when the turns are of uneven length. Both are computed with the script's own flow_grpo_loss."""
+    calls, loss_fn = [], agentflow.flow_grpo_loss
+
+    def recorded(logp, old_logp, ref_logp, advantages, mask, **kwargs):
+        loss, stats = loss_fn(logp, old_logp, ref_logp, advantages, mask, **kwargs)
+        calls.append([logp.detach(), old_logp, ref_logp, advantages, mask, kwargs, loss.item()])
+        return loss, stats
+
+    monkeypatch.setattr(agentflow, "flow_grpo_loss", recorded)
+    # a spread of advantages, so every row's tokens count (a toy step's groups can all be flat)
+    monkeypatch.setattr(agentflow, "broadcast_advantages",
+                        lambda rewards, turns, *a, **k: torch.linspace(-1.0, 1.0, sum(turns)))
+    agentflow.train(toy_args(
+        tmp_path, "--steps", "1", "--inner-steps", "1", "--no-ablation", "--eval-every", "5",
+        "--warm-start-steps", "20", "--micro-batch-tokens", "64"))  # one mini-batch, many micro
+    assert len(calls) > 2
+    width = max(call[4].shape[1] for call in calls)
+    step = [torch.cat([torch.nn.functional.pad(call[i], (0, width - call[i].shape[1])) if i != 3
+                       else call[i] for call in calls]) for i in range(5)]
+    lengths = step[4].sum(1)
+    assert lengths.min() < lengths.max()  # uneven turn lengths
+    options = {k: v for k, v in calls[0][5].items() if k != "token_count"}
+
+    def loss_of(batch, rows):
+        """One token-mean over `rows` of batch = (logp, old_logp, ref_logp, A, mask)."""
+        picked = [tensor[rows] for tensor in batch]
+        return loss_fn(*picked, token_count=picked[4].sum(), **options)[0].item()
+
+    def verl_loss(batch):
+        """verl 0.5.0: the mean over 4-row micro-batches of each one's token-mean."""
+        rows = len(batch[3])
+        means = [loss_of(batch, list(range(i, min(i + 4, rows)))) for i in range(0, rows, 4)]
+        return sum(means) / len(means)
+
+    token_mean = loss_of(step, list(range(len(step[3]))))
+    script = sum(call[6] for call in calls)
+    assert script == pytest.approx(token_mean, rel=1e-5, abs=1e-7)
+    assert script != pytest.approx(verl_loss(step), rel=0.05)
+
+    # hand numbers: 4 one-token rows with A = 1, then 4 four-token rows with A = 0; on policy and
+    # at π_ref the loss is −A per token: one token-mean −4/20 = −0.2, verl's (−1 + 0)/2 = −0.5
+    zeros = torch.zeros(8, 4)
+    mask = torch.tensor([[1.0, 0, 0, 0]] * 4 + [[1.0] * 4] * 4)
+    hand = [zeros, zeros, zeros, torch.tensor([1.0] * 4 + [0.0] * 4), mask]
+    assert loss_of(hand, list(range(8))) == pytest.approx(-0.2)
+    assert verl_loss(hand) == pytest.approx(-0.5)
+
+
 def test_turns_of_different_lengths_batch_with_masks_that_score_only_planner_tokens():
     tokenizer = models.make_tokenizer("q a b c d e".split())
     model = models.tiny_causal_lm(len(tokenizer)).eval()

@@ -164,6 +164,27 @@ def test_k3_nonnegative_zero_at_equality_and_unbiased():
         exact.item(), abs=0.01)
 
 
+def test_k3_log_ratio_clamp_keeps_a_far_token_finite_as_verl():
+    """verl's low_var_kl clamps d = log π_ref − log π_θ to ±20 before e^d: a token 100 nats away
+    gives k3 = 10 and a zero gradient; without that clamp e^100 overflows fp32 and the gradient
+    through the ±10 clamp is NaN. Inside ±20 the clamp changes nothing."""
+    def k3_and_grad(**limits):
+        logp = torch.tensor([0.0, -1.0], requires_grad=True)
+        kl = common.kl_penalty(logp, torch.tensor([100.0, -0.5]), "k3", limit=10.0, **limits)
+        kl.sum().backward()
+        return kl.detach(), logp.grad
+
+    kl, grad = k3_and_grad(log_ratio_limit=20.0)
+    assert kl[0] == 10.0 and torch.isfinite(grad).all() and grad[0] == 0
+    _, unclamped_grad = k3_and_grad()
+    assert torch.isnan(unclamped_grad[0]) and unclamped_grad[1] == grad[1]
+    d = torch.randn(1000) * 5
+    inside = d.clamp(-19.9, 19.9)
+    assert torch.equal(common.kl_penalty(torch.zeros(1000), inside, limit=10.0),
+                       common.kl_penalty(torch.zeros(1000), inside, limit=10.0,
+                                         log_ratio_limit=20.0))
+
+
 def test_checkpoint_round_trip_is_exact(tmp_path):
     t = {"w": torch.randn(3, 4), "rng": torch.get_rng_state()}
     tracking.save_checkpoint(tmp_path / "ckpt.safetensors", t, {"step": 7, "metrics": [1.5]})
