@@ -48,7 +48,7 @@ Deviations (numbered, on purpose):
     6. Laptop knobs, off by default: `--docs needed` shows only the functions the ground truth calls
        and `--max-turns N` keeps the first N turns (BFCL's prompts are ~3k–7.5k tokens with all
        docs); the laptop preset writes a shorter paraphrase of bfcl-eval's system prompt
-       (`--system-prompt short`; the bfcl preset uses bfcl-eval's own, verbatim).
+       (`--system-prompt short`; the bfcl preset sends what bfcl-eval's harness sends).
     7. Rollouts follow BFCL's own turn-by-turn protocol (a user turn ends when the model makes no
        call), not the paper's merged prompt with a `done()` tool, so the scores are BFCL's. Accuracy
        is taken as the mean of R, an assumption (the paper's text does not define it); the
@@ -155,8 +155,8 @@ class Args:
     save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     system_prompt: str = cli.arg(
-        "bfcl", "BFCL's system prompt: bfcl = bfcl-eval's own, verbatim; short = a paraphrase that "
-        "fits a laptop model's context", ["bfcl", "short"])
+        "bfcl", "BFCL's system prompt: bfcl = what bfcl-eval's harness sends; short = a paraphrase "
+        "that fits a laptop model's context", ["bfcl", "short"])
     resume: bool = cli.arg(
         False, "continue each GRPO arm from its checkpoint, after stage 1 from its saved file")
     overwrite: bool = cli.arg(

@@ -101,7 +101,11 @@ def function_docs(entry):
     hidden = {name for names in missed.values() for name in names}
     # `excluded_function` is ignored, as the official harness
     shown = [d for d in docs if d["name"] not in hidden]
-    return shown, {t: [d for d in docs if d["name"] in names] for t, names in missed.items()}
+    by_name = {}
+    for doc in docs:
+        by_name.setdefault(doc["name"], doc)
+    # a turn's held-out docs in the data's order, as bfcl-eval's loader lists them
+    return shown, {t: [by_name[n] for n in names if n in by_name] for t, names in missed.items()}
 
 
 def _literal(node):
@@ -377,23 +381,64 @@ def bfcl_check(entry, calls_per_turn):
     return 1.0
 
 
+def harness_system_prompt(entry_id, docs):
+    """The system prompt bfcl-eval's harness sends a prompting model on this entry: what its
+    `formulate_system_prompt` builds for DEFAULT_SYSTEM_PROMPT_FORMAT (python calls, no tool-call
+    tag, JSON docs, plain text, classic style) from bfcl-eval's own templates, with the docs as
+    json.dumps(docs, indent=4) after the language hint its loader adds to each description. (That
+    function's module imports the Java/JS call parsers and API retry clients, bfcl-eval
+    dependencies this project does not install; tests/test_rc_grpo.py checks the two agree on
+    every entry.)"""
+    from bfcl_eval.constants import default_prompts as bfcl_prompts
+    from bfcl_eval.utils import add_language_specific_hint_to_function_doc
+
+    (hinted,) = add_language_specific_hint_to_function_doc(
+        [{"id": entry_id, "function": copy.deepcopy(docs)}])
+    style = bfcl_prompts.PROMPT_STYLE_TEMPLATES["classic"]
+    call_format = style["tool_call_no_tag"].format(
+        output_format=bfcl_prompts.OUTPUT_FORMAT_MAPPING["python"],
+        param_types=bfcl_prompts.PARAM_TYPE_MAPPING["python"])
+    tools = style["available_tools"].format(
+        format="json", functions=json.dumps(hinted["function"], indent=4))
+    return bfcl_prompts.PROMPT_TEMPLATE_MAPPING["plaintext"].format(
+        persona=style["persona"], task=style["task"], tool_call_format=call_format,
+        multiturn_behavior=style["multiturn_behavior"], available_tools=tools)
+
+
+def harness_reveal(docs):
+    """The user message bfcl-eval's harness sends a prompting model on a miss_func turn: the
+    held-out docs as Python writes the list, then its "I have updated some more functions…"."""
+    from bfcl_eval.constants.default_prompts import (
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING)
+
+    return DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(functions=docs)
+
+
 class ChatFormat:
     """How a dialogue is written at full scale: the tokenizer's chat template, a system prompt with
-    the function docs (system_prompt="bfcl": bfcl-eval's own, verbatim; "short": the laptop
-    preset's paraphrase), calls as the Python list BFCL asks for, results cut at 2 000 characters.
-    (The toy's words are `bfcl_toy.ToyFormat`.)"""
+    the function docs and miss_func's later docs (system_prompt="bfcl": what bfcl-eval's harness
+    sends a prompting model, `harness_system_prompt` and `harness_reveal`; "short": the laptop
+    preset's paraphrase, compact JSON docs), calls as the Python list BFCL asks for, results cut
+    at 2 000 characters. (The toy's words are `bfcl_toy.ToyFormat`.)"""
 
     def __init__(self, tokenizer, system_prompt="bfcl"):
-        from bfcl_eval.constants.default_prompts import _DEFAULT_SYSTEM_PROMPT
-
         self.tokenizer = tokenizer
-        self.system_prompt = SHORT_SYSTEM_PROMPT
-        if system_prompt == "bfcl":
-            self.system_prompt = _DEFAULT_SYSTEM_PROMPT
+        self.system_prompt = system_prompt
 
     def system_messages(self, entry):
-        docs = json.dumps(function_docs(entry)[0])
-        return [{"role": "system", "content": self.system_prompt.replace("{functions}", docs)}]
+        docs = function_docs(entry)[0]
+        if self.system_prompt == "bfcl":
+            return [{"role": "system", "content": harness_system_prompt(entry["id"], docs)}]
+        return [{"role": "system",
+                 "content": SHORT_SYSTEM_PROMPT.replace("{functions}", json.dumps(docs))}]
+
+    def reveal(self, docs):
+        """The user message that brings miss_func's held-out docs on their turn."""
+        if self.system_prompt == "bfcl":
+            return harness_reveal(docs)
+        from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+
+        return json.dumps(docs) + "\n" + DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
 
     def render(self, messages):
         return self.tokenizer.apply_chat_template(
@@ -417,7 +462,6 @@ class World:
     model: object
     text_format: object
     end_text: str  # what an expert writes to end a turn
-    reveal_message: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,15 +486,12 @@ def build_bfcl(args, device):
     """An HF instruct model (LoRA when --lora-rank) on the real BFCL v4 split. The reward tokens
     stay plain text (a few sub-word tokens each): new embedding rows would not be trained by LoRA on
     the linear layers."""
-    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
-
     tokenizer, model = models.load_causal_lm(
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
     train, test = split_entries(load_bfcl_entries())
     return World(
         train, test, tokenizer, model.to(device),
-        text_format=ChatFormat(tokenizer, args.system_prompt),
-        end_text="Done.", reveal_message=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC)
+        text_format=ChatFormat(tokenizer, args.system_prompt), end_text="Done.")
 
 
 def select_entries(entries, args):
@@ -515,7 +556,7 @@ def user_messages(world, entry, turn, goal):
     revealed = {int(t): names for t, names in entry.get("missed_function", {}).items()}
     if turn in revealed:
         _, later = function_docs(entry)
-        return [{"role": "user", "content": json.dumps(later[turn]) + "\n" + world.reveal_message}]
+        return [{"role": "user", "content": world.text_format.reveal(later[turn])}]
     messages = [dict(m) for m in entry["question"][turn]]
     if turn == 0 and messages and goal is not None:
         messages[0]["content"] = f"{messages[0]['content']} {goal}"  # RC-GRPO's reward goal

@@ -222,14 +222,66 @@ def test_backend_calls_have_a_time_limit_and_a_result_cap():
     assert len(bfcl.observation(world, [echoed])) <= min(2000, bfcl.MAX_RESULT_CHARS)
 
 
-def test_full_scale_uses_bfcl_evals_own_system_prompt_verbatim(entries):
-    from bfcl_eval.constants.default_prompts import _DEFAULT_SYSTEM_PROMPT
+def bfcl_harness(monkeypatch):
+    """bfcl-eval's harness functions (`model_handler/utils.py`), imported with stand-ins for what
+    that module imports and the prompt never calls: the Java/JS call parsers (tree-sitter) and the
+    API retry decorators (tenacity), dependencies this project does not install."""
+    import sys
+    import types
 
-    entry = entries[0]
-    docs = json.dumps(bfcl.function_docs(entry)[0])
-    (system,) = bfcl.ChatFormat(None).system_messages(entry)
-    assert system["content"] == _DEFAULT_SYSTEM_PROMPT.format(functions=docs)
-    (short,) = bfcl.ChatFormat(None, "short").system_messages(entry)
+    stand_ins = {
+        "bfcl_eval.model_handler.parser.java_parser": ["parse_java_function_call"],
+        "bfcl_eval.model_handler.parser.js_parser": ["parse_javascript_function_call"],
+        "tenacity": ["retry", "retry_if_exception_message", "retry_if_exception_type",
+                     "wait_random_exponential"]}
+    for name, attributes in stand_ins.items():
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            for attribute in attributes:
+                setattr(module, attribute, lambda *a, **k: None)
+            monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "bfcl_eval.model_handler.utils", raising=False)
+    import bfcl_eval.model_handler.utils as harness
+
+    monkeypatch.delitem(sys.modules, "bfcl_eval.model_handler.utils")  # not kept with stand-ins
+    return harness
+
+
+def test_full_scale_prompt_is_what_bfcl_evals_harness_sends_on_every_entry(entries, monkeypatch):
+    """The system prompt and first user turn, and every miss_func reveal, against the harness's own
+    functions on its own loading of all 800 entries: `load_dataset_entry` (docs with the language
+    hint, held-out docs apart), `system_prompt_pre_processing_chat_model` (which calls
+    `formulate_system_prompt` for the entry's format) and the prompting loop's reveal message.
+    Equal strings, so equal tokens under any tokenizer."""
+    import copy
+
+    from bfcl_eval.constants.default_prompts import (
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING)
+    from bfcl_eval.utils import load_dataset_entry
+
+    harness = bfcl_harness(monkeypatch)
+    ours = {e["id"]: e for e in entries}
+    world = bfcl.World([], [], None, None, text_format=bfcl.ChatFormat(None), end_text="")
+    checked, reveals = 0, 0
+    for category in bfcl.CATEGORIES:
+        for sent in load_dataset_entry(f"multi_turn_{category}"):
+            entry = ours[sent["id"]]
+            first_turn = harness.system_prompt_pre_processing_chat_model(
+                copy.deepcopy(sent["question"][0]), sent["function"], sent["id"])
+            assert bfcl.system_messages(world, entry) + bfcl.user_messages(
+                world, entry, 0, None) == first_turn, sent["id"]
+            for turn, held_out in sent.get("missed_function", {}).items():
+                reveal = DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
+                    functions=held_out)
+                (message,) = bfcl.user_messages(world, entry, int(turn), None)
+                assert message == {"role": "user", "content": reveal}, sent["id"]
+                reveals += 1
+            checked += 1
+    assert checked == 800 and reveals >= 200
+    (system,) = bfcl.system_messages(world, entries[0])
+    assert "You SHOULD NOT include any other text" in system["content"]
+    docs = json.dumps(bfcl.function_docs(entries[0])[0])
+    (short,) = bfcl.ChatFormat(None, "short").system_messages(entries[0])
     assert short["content"].endswith(docs) and len(short["content"]) < len(system["content"])
 
 
