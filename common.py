@@ -389,7 +389,7 @@ def check_finite(value, step, what="loss"):
         raise SystemExit(f"error: non-finite {what} at step {step}; lower --lr or check the reward")
 
 
-# ----------------------------------------------------------------------------- the KL term
+# -------------------------------------- the clipped surrogate's dual clip, and the KL term
 
 
 def dual_clip(pg_loss, advantages, c):

@@ -9,8 +9,10 @@ equals the GFlowNet trajectory-balance (TB) loss, whose unknown normaliser Z(x) 
 head (Proposition 1 of the paper).
 
 Equation map (paper → function):
-    TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)²
-                                                                → trajectory_balance_loss
+    Prop. 1  KL(π_θ‖p*) and the TB loss (log Z(x) + logπ_θ(y|x) − β·r − logπ_ref(y|x))² have
+             the same expected gradient: the TB residual        → trajectory_balance_loss
+    TB loss  w·(log Z(x) + logπ_θ(y|x)/|y| − β·r̂ − logπ_ref(y|x)/|y|)², the practical loss
+             (length-normalised: DEVIATION 3)                   → trajectory_balance_loss
     w        clip(π_θ/π_old, 1−ε, 1+ε), detached                → importance_weight
     log Z    3-layer MLP on the mean-pooled prompt hidden state  → LogZHead
     p*       π_ref·exp(β·r), exact on the toy by enumeration     → flowrl_tasks.exact_metrics
@@ -203,7 +205,7 @@ def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_row
     Returns (loss, residual). At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its
     normaliser.
     """
-    residual = log_z + logp - beta * reward - ref_logp  # the TB residual
+    residual = log_z + logp - beta * reward - ref_logp  # Prop. 1: the TB residual
     return (weight * residual**2).sum() / (num_rows or len(residual)), residual
 
 
@@ -262,7 +264,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip
     return (pg_loss * mask).sum() / token_count, stats
 
 
-# ---------------------------------------------------------------------------------------- rollouts
+# ----------------------------------------------------------- rollouts, and an evaluation's numbers
 
 
 @torch.no_grad()
@@ -467,7 +469,7 @@ def train(args):
                             logp = common.completion_logprobs(model, ids, attn, completion_len)
                     if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                         mb.old_logp = logp.detach()
-                    if args.algo == "flowrl":  # the TB residual, squared and weighted by w
+                    if args.algo == "flowrl":  # Prop. 1's TB residual, squared, weighted by w
                         logp_sum = sequence_logprob(logp, mask)
                         old_sum = sequence_logprob(mb.old_logp, mask)
                         log_ratio = logp_sum.detach() - old_sum

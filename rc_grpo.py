@@ -213,7 +213,7 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, 
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # the pessimistic branch of the clipped surrogate
     kl = torch.zeros_like(logp) if ref_logp is None else common.kl_penalty(logp, ref_logp, "k3")
-    loss = ((pg_loss + beta * kl) * mask).sum() / token_count
+    loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # stage 2's objective, under r_j
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
         "kl": common.masked_mean(kl, mask).item(),
