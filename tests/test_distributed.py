@@ -7,6 +7,7 @@ head has dropout, whose draws depend on the process layout, so the LLM side is c
 grpo`.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -184,3 +185,28 @@ def test_a_gradient_none_on_every_rank_stays_none(tmp_path):
         both, one, none = torch.load(tmp_path / f"grads.{rank}.pt")
         assert torch.equal(both, torch.full((3,), 3.0)) and torch.equal(one, torch.full((3,), 2.0))
         assert none is None
+
+
+def test_micro_batches_reduce_once_and_run_the_empty_ones_inside(monkeypatch):
+    """A sharded model's mini-batch: gradients reduced on its last backward only; the padding
+    micro-batches (no rows) run a forward and a zero backward inside the iterator and are not
+    yielded."""
+    syncs = []
+    weight = torch.ones(1, requires_grad=True)
+
+    class Sharded:
+        def set_requires_gradient_sync(self, sync):
+            syncs.append(sync)
+
+    def forward(model, ids, attn, width):
+        syncs.append("forward")
+        return weight * ids.float()
+
+    monkeypatch.setattr(common, "completion_logprobs", forward)
+    ids = torch.ones(1, 2)
+    minibatch = [common.MicroBatch(rows, ids, ids, ids) for rows in ([0, 1], [2], [], [])]
+    autocast = contextlib.nullcontext()
+    yielded = [mb.rows for mb in distributed.micro_batches(Sharded(), minibatch, autocast)]
+    assert yielded == [[0, 1], [2]]
+    assert syncs == [False, False, False, "forward", True, "forward"]
+    assert weight.grad is not None and not weight.grad.any()  # zero backward: the collective ran
