@@ -618,4 +618,6 @@ if __name__ == "__main__":
         sweep.seed_sweep(
             train, args, [("", {})], agent_toy.sweep_row, agent_toy.claim_holds, sweep_dir)
     else:
-        print(json.dumps(train(args), indent=2))
+        summary = train(args)
+        if distributed.is_rank_zero():  # one final JSON, not one per rank
+            print(json.dumps(summary, indent=2))

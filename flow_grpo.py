@@ -603,4 +603,6 @@ if __name__ == "__main__":
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(train, args, [("", {})], digits.sweep_row, digits.claim_holds, sweep_dir)
     else:
-        print(json.dumps(train(args), indent=2))
+        summary = train(args)
+        if distributed.is_rank_zero():  # one final JSON, not one per rank
+            print(json.dumps(summary, indent=2))

@@ -275,7 +275,7 @@ def sample_groups(model, tokenizer, prompts, *, group_size, seeds, generation, s
     Each row draws from its own generator, seeded from its group's seed: a group's samples are the
     same whichever rank draws them and whatever shares the call, so N processes sample exactly what
     one process would."""
-    row_seeds = [seed * 1_000 + row for seed in seeds for row in range(group_size)]
+    row_seeds = distributed.row_seeds(seeds, group_size)
     return common.sample_completions(
         model, tokenizer, [prompt for prompt in prompts for _ in range(group_size)],
         generation.max_new_tokens, temperature=generation.temperature, stop_at_eos=stop_at_eos,
@@ -558,4 +558,6 @@ if __name__ == "__main__":
         sweep.seed_sweep(train, args, tasks.SWEEP_ARMS, tasks.sweep_row, tasks.claim_holds,
                          sweep_dir)
     else:
-        print(json.dumps(train(args), indent=2))
+        summary = train(args)
+        if distributed.is_rank_zero():  # one final JSON, not one per rank
+            print(json.dumps(summary, indent=2))

@@ -154,6 +154,8 @@ class Args:
         ["none", "tensorboard"])
     save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
+    stage1_timeout: int = cli.arg(
+        172_800, "seconds the other ranks wait for rank 0's stage 1 (bfcl preset: ≈ 1 day)")
     system_prompt: str = cli.arg(
         "bfcl", "BFCL's system prompt: bfcl = what bfcl-eval's harness sends; short = a paraphrase "
         "that fits a laptop model's context", ["bfcl", "short"])
@@ -552,13 +554,13 @@ def train(args):
     rare_test = [e for e in world.test if e.get("rare")]
     # Stage 1 runs once, on rank 0, into out_dir/stage1.safetensors (atomic); every rank loads that
     # file, so all start stage 2 from the same weights, and --resume skips stage 1. The other ranks
-    # wait for the file, not in a collective (stage 1 at full scale outlasts any timeout).
+    # wait for the file, not in a collective (stage 1 at full scale outlasts its timeout).
     stage1_file = out_dir / "stage1.safetensors"
+    distributed.check_shared_folder(out_dir)  # else a rank would wait for a file it cannot see
     if not (args.resume and stage1_file.exists()):
         if accelerator.is_main_process:
             stage_one(world, base_data, arms, args, stage1_file)
-        while not stage1_file.exists():
-            time.sleep(2)
+        distributed.wait_for_file(stage1_file, args.stage1_timeout, "--stage1-timeout")
     states, summary, shown = load_stage_one(world, stage1_file)
     # stage 1's adapter stays, frozen; stage 2 trains a second one on top, π_ref = stage 1's alone
     if args.lora_rank:
@@ -626,4 +628,6 @@ if __name__ == "__main__":
         sweep.seed_sweep(
             train, args, [("", {})], bfcl_toy.sweep_row, bfcl_toy.claim_holds, sweep_dir)
     else:
-        print(json.dumps(train(args), indent=2))
+        summary = train(args)
+        if distributed.is_rank_zero():  # one final JSON, not one per rank
+            print(json.dumps(summary, indent=2))

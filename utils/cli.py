@@ -68,13 +68,15 @@ COUNTS = (  # at least 1
     "tasks_per_step", "inner_steps", "minibatches", "max_new_tokens", "eval_every", "eval_k",
     "micro_batch_tokens", "micro_batch", "gen_batch", "eval_batch", "eval_per_prompt",
     "train_steps", "eval_steps", "max_turns", "eval_max_turns", "sft_batch", "failure_rollouts",
-    "max_steps", "max_prompt_tokens", "timeout", "spread_samples", "warm_start_demos",
-    "toy_tasks", "toy_test_tasks", "minibatch_rows", "gen_tokens")
+    "max_steps", "max_prompt_tokens", "timeout", "stage1_timeout", "spread_samples",
+    "warm_start_demos", "toy_tasks", "toy_test_tasks", "minibatch_rows", "gen_tokens")
 OPTIONAL_COUNTS = (  # where 0 means "all"
     "max_turns", "micro_batch", "minibatch_rows", "gen_tokens")
 FRACTIONS = ("careless", "rare_share", "p_high", "timestep_fraction", "label_noise")  # in [0, 1]
 POSITIVE = ("lr", "logz_lr", "sft_lr", "warm_start_lr", "clip_eps", "clip_eps_high",
             "clip_range", "adv_clip", "tool_timeout")
+# --seed and --seeds: 0 … 2³² − 1, the range numpy's global seed takes (torch's takes 64 bits)
+SEED_MAX = 2**32 - 1
 
 
 def number_errors(args):
@@ -95,6 +97,8 @@ def number_errors(args):
             errors.append(f"{flag} must be > 0 (got {value})")
         elif value < 0:
             errors.append(f"{flag} must be ≥ 0 (got {value})")
+        elif field.name == "seed" and value > SEED_MAX:
+            errors.append(f"{flag} must be in 0 … 2^32 − 1 = {SEED_MAX} (got {value})")
     return errors
 
 

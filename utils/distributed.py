@@ -2,6 +2,10 @@
 step's groups, seeds per stream of rollout noise, and the one gradient all-reduce per optimiser step
 that keeps every rank in step whatever its number of micro-batches."""
 
+import os
+import time
+from pathlib import Path
+
 import torch
 
 import common
@@ -47,6 +51,54 @@ def sampling_seed(seed, step, stream):
     distinct across streams, so no two ranks share noise, and recomputed from (seed, step) after a
     resume. Kept below 2⁶³ (a torch seed is 64-bit), so a seed made from another one still fits."""
     return ((seed * 1_000_003 + step) * 100_003 + stream) % 2**63
+
+
+def row_seeds(group_seeds, group_size):
+    """A seed per row of each group: group seed × 1 000 + row, kept below 2⁶³ as the group seeds
+    are (a torch seed is 64-bit; a group seed from a large --seed would overflow it). Below
+    2⁶³ ÷ 1 000 (the toys' seeds) the modulo changes nothing."""
+    return [(seed * 1_000 + row) % 2**63 for seed in group_seeds for row in range(group_size)]
+
+
+def is_rank_zero():
+    """Rank 0 of a launched group (torchrun and `accelerate launch` set RANK), or the only process:
+    the one that prints the run's final JSON."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def check_shared_folder(folder):
+    """Every rank sees a file rank 0 writes in `folder`, or every rank exits with one line: ranks on
+    machines without a shared file system fail in seconds, not after stage 1's day-long wait. A
+    no-op in one process."""
+    if not torch.distributed.is_initialized():
+        return
+    rank = torch.distributed.get_rank()
+    marker = Path(folder) / f".shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    if rank == 0:
+        marker.write_text("written by rank 0; every rank must see it\n")
+    torch.distributed.barrier()
+    seen = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(seen, marker.exists())
+    if rank == 0:
+        marker.unlink()
+    if not all(seen):
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        raise SystemExit(
+            f"error: rank(s) {blind} cannot see {marker}, which rank 0 wrote: give every rank the "
+            "same --out-dir on a file system they share")
+
+
+def wait_for_file(path, timeout_s, flag):
+    """Poll (not in a collective, which would time out) until `path` exists; after `timeout_s`
+    seconds, exit with one line naming the file and the fix."""
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"error: {path} did not appear within {timeout_s} s (rank 0 writes it): give "
+                f"every rank the same --out-dir on a shared file system, check rank 0's log, or "
+                f"raise {flag}")
+        time.sleep(min(2.0, timeout_s / 10))
 
 
 def average_gradients(params, accelerator):

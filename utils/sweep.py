@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from utils import cli
+
 
 def parse_seeds(text):
     """ "0-4" → [0, 1, 2, 3, 4]; "1,3,7" → [1, 3, 7]; a clear error otherwise."""
@@ -25,6 +27,8 @@ def parse_seeds(text):
             f"error: --seeds takes a range like 0-4 or a list like 1,3,7 (got {text!r})")
     if not seeds or min(seeds) < 0:
         raise SystemExit(f"error: --seeds gives no non-negative seed (got {text!r})")
+    if max(seeds) > cli.SEED_MAX:
+        raise SystemExit(f"error: --seeds must lie in 0 … 2^32 − 1 = {cli.SEED_MAX} (got {text!r})")
     return seeds
 
 

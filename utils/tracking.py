@@ -284,23 +284,31 @@ def numbered(state_dict):
             "param_groups": groups}
 
 
+def rng_states():
+    """This process's torch generators: the CPU one, and its current GPU's (where each rank of a
+    multi-GPU run draws its dropout masks), so every rank saves and restores its own."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
 def save_training_state(path, step, modules, optimizers, generators, extra, write=True):
     """Everything a run needs to continue bit-exactly, in one atomic checkpoint: trainable weights
     (only the adapter under LoRA), optimiser moments, the torch/python/numpy RNGs and named
     `torch.Generator`s, the step, and a JSON `extra` (metrics so far, first-evaluation results).
     Sharded modules are gathered first, so every rank calls; only `write` writes the file."""
     flat, groups = trained_tensors(modules, optimizers)
-    torch_rngs = [torch.get_rng_state()]
+    rank_rngs = [rng_states()]
     if torch.distributed.is_initialized():  # each rank's own (its dropout masks are its own)
-        torch_rngs = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(torch_rngs, torch.get_rng_state())
+        rank_rngs = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rank_rngs, rng_states())
     if not write:
         return
     flat |= {f"rng/{name}": g.get_state() for name, g in generators.items()}
-    flat |= {f"rng/torch/{rank}": state for rank, state in enumerate(torch_rngs)}
-    flat["rng/torch"] = torch_rngs[0].clone()
-    if torch.cuda.is_available():  # every visible GPU's generator, so a GPU resume is exact too
-        flat |= {f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    for rank, states in enumerate(rank_rngs):  # rng/torch/<rank>, rng/cuda/<rank>
+        flat |= {f"rng/{kind}/{rank}": state for kind, state in states.items()}
+    flat["rng/torch"] = rank_rngs[0]["torch"].clone()
     numpy_state = np.random.get_state()
     state = {
         "step": step, "extra": extra, "param_groups": groups, "python_rng": random.getstate(),
@@ -351,9 +359,8 @@ def load_training_state(path, modules, optimizers, generators):
         generator.set_state(flat[f"rng/{name}"])
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     torch.set_rng_state(flat.get(f"rng/torch/{rank}", flat["rng/torch"]))
-    cuda_keys = [f"rng/cuda/{i}" for i in range(torch.cuda.device_count())]
-    if cuda_keys and all(key in flat for key in cuda_keys):
-        torch.cuda.set_rng_state_all([flat[key] for key in cuda_keys])
+    if torch.cuda.is_available() and f"rng/cuda/{rank}" in flat:  # this rank's own GPU
+        torch.cuda.set_rng_state(flat[f"rng/cuda/{rank}"])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy_rng"]
