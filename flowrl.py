@@ -305,14 +305,14 @@ def make_optimizer(model, head, args):
     return optimizer, [p for group in groups for p in group["params"]]
 
 
-def warm_up(optimizer, step, args):
+def warm_up(optimizer, step, warmup_steps):
     """Linear warm-up counted in rollout batches, as the original's scheduler (stepped once per
     rollout batch): lr = base_lr·min(1, (s − 1)/K) for rollout batch s = 1, 2, …, with
     K = --warmup-steps, so every optimiser step of the first batch runs at lr 0 (computed from s
     alone, so a resumed run continues it)."""
     factor = 1.0
-    if args.warmup_steps > 0:
-        factor = min(1.0, (step - 1) / args.warmup_steps)
+    if warmup_steps > 0:
+        factor = min(1.0, (step - 1) / warmup_steps)
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"] * factor
 
@@ -450,7 +450,7 @@ def train(args):
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
         schedule = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
         metrics = tracking.StepMetrics(num_updates=len(schedule))  # every update, micro-batch
-        warm_up(optimizer, step, args)
+        warm_up(optimizer, step, warmup_steps=args.warmup_steps)
         with phases.time("update"):
             for update, minibatch in enumerate(schedule):
                 optimizer.zero_grad()

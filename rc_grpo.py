@@ -499,7 +499,8 @@ def stage_one(world, base_data, arms, args, path):
         k: v.detach().clone() for k, v in world.model.named_parameters() if v.requires_grad}
     base = trained()
     summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
-    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, args)]
+    limits = bfcl.Limits.from_args(args)
+    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, limits)]
     tensors, needed = {}, {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
         expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
@@ -566,7 +567,7 @@ def train(args):
     if args.lora_rank:
         models.stack_adapter(world.model, "stage2")
         models.check_master_weights(world.model)
-    curves = {}
+    curves, limits = {}, bfcl.Limits.from_args(args)
     for arm in arms:
         init, algo = arm.split("+")
         world.model.load_state_dict(states[init], strict=False)
@@ -588,7 +589,7 @@ def train(args):
             low = evaluate(world, world.test, LOW, args, **shard)
             result["accuracy_under_low_token"] = low[0]
         shown.append(
-            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), args))
+            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), limits))
         summary[arm] = run.finish(
             result,
             [

@@ -645,10 +645,10 @@ def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
     return runs
 
 
-def format_calls(world, entry, goal, args):
+def format_calls(world, entry, goal, limits):
     """What the policy calls on one entry, turn by turn (greedy, under the reward `goal` text),
     beside the expected calls: the before/after view of rollouts.txt."""
-    (run,) = run_rollouts(world, [entry], [goal], 0.0, Limits.from_args(args))
+    (run,) = run_rollouts(world, [entry], [goal], 0.0, limits)
     lines = [f"{entry['id']} ({goal or 'no reward goal'}): reward {run['reward']:.0f}"]
     for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
         asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""
