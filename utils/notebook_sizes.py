@@ -1,0 +1,38 @@
+"""The notebooks' run sizes, kept out of their lecture cells: TOY extends a toy run's Args and REAL
+a real-model preset, as a reader runs them (the presets as they are, a few steps of the real model)
+or, where the test suite sets NOTEBOOK_QUICK=1, tiny enough to run every cell in a few minutes."""
+
+import os
+
+QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
+
+READER = {
+    "flowrl": ({}, dict(steps=8)),
+    "flow_grpo": ({}, {}),
+    "agentflow": ({}, dict(steps=4, ablation=False)),
+    "rc_grpo": ({}, dict(steps=2)),
+}
+TINY = {
+    "flowrl": (
+        dict(steps=4, eval_every=2),
+        dict(steps=1, group_size=2, prompts_per_step=1, max_new_tokens=4),
+    ),
+    "flow_grpo": (dict(epochs=3, eval_per_prompt=8, eval_every=2), {}),
+    "agentflow": (
+        dict(steps=3, eval_every=3, warm_start_steps=50),
+        dict(eval_data="../tests/data/people_tiny.jsonl", steps=1, queries_per_step=1, group_size=2,
+             warm_start_demos=2, warm_start_steps=1, ablation=False, max_turns=1,
+             eval_max_turns=1, max_new_tokens=10),
+    ),
+    "rc_grpo": (
+        dict(toy_tasks=20, toy_test_tasks=10, steps=2, tasks_per_step=2, failure_rollouts=1),
+        dict(tasks="multi_turn_base_1,multi_turn_base_9", arms="rctp+rc-grpo", lora_rank=8,
+             steps=1, tasks_per_step=1, group_size=2, max_steps=1, max_new_tokens=12,
+             rctp_epochs=1),
+    ),
+}
+
+
+def sizes(notebook):
+    """(TOY, REAL) for `notebook`: the reader's sizes, or the tests' tiny ones."""
+    return (TINY if QUICK else READER)[notebook]
