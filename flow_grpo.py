@@ -286,18 +286,19 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step
 def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, guidance, noise_level):
     """`rollout` with the SDE over `micro` rows at a time: noise[0] is x_1 (n, ...), noise[1:] each
     step's noise. Returns latents (T+1, n, ...) and the sampler's log-probs (T, n)."""
-    parts = []
+    micro_rollouts = []
     for k in range(0, noise.shape[1], micro):
         rows = slice(k, k + micro)
-        part = rollout(
+        micro_rollout = rollout(
             velocity_fn, noise[0, rows], sigmas,
             cond=tuple(c[rows] for c in cond),
             empty=tuple(e[rows] for e in empty),
             guidance=guidance,
             noise_level=noise_level,
             step_noise=noise[1:, rows])
-        parts.append(part)
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        micro_rollouts.append(micro_rollout)
+    latents, log_probs = zip(*micro_rollouts)
+    return torch.cat(latents, 1), torch.cat(log_probs, 1)
 
 
 def schedule(num_steps, shift, device):

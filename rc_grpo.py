@@ -231,11 +231,11 @@ def build_rctp_data(world, entries, args):
     limits = bfcl.Limits.from_args(args)
     rollouts = []
     for lo in range(0, len(repeated), args.gen_batch):
-        chunk = repeated[lo : lo + args.gen_batch]
+        batch_entries = repeated[lo : lo + args.gen_batch]
         rollouts += [
             {"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
-            for r in bfcl.run_rollouts(
-                world, chunk, [None] * len(chunk), temperature=1.0, limits=limits)
+            for r in bfcl.run_rollouts(world, batch_entries, [None] * len(batch_entries),
+                                       temperature=1.0, limits=limits)
         ]
     every_failure = [r for r in rollouts if r["reward"] == 0]
     random.Random(args.seed).shuffle(every_failure)
@@ -273,8 +273,9 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
     for _ in range(epochs):
         order = torch.randperm(len(trajectories), generator=gen).tolist()
         for start in range(0, len(order), batch):
-            chunk = [s for i in order[start : start + batch] for s in trajectories[i]]
-            prompts, completions = [s["prompt"] for s in chunk], [s["ids"] for s in chunk]
+            batch_steps = [s for i in order[start : start + batch] for s in trajectories[i]]
+            prompts = [s["prompt"] for s in batch_steps]
+            completions = [s["ids"] for s in batch_steps]
             token_count = sum(len(c) for c in completions)
             optimizer.zero_grad()
             for mb in common.scored_micro_batches(
@@ -512,9 +513,9 @@ def stage_one(world, base_data, arms, args, path):
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
     if "rctp" in needed:
         world.model.load_state_dict(base, strict=False)
-        samples, n_failures = build_rctp_data(world, world.train, args)
+        rctp_trajectories, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world, stage1_units(samples, args), epochs=args.rctp_epochs, lr=args.sft_lr,
+            world, stage1_units(rctp_trajectories, args), epochs=args.rctp_epochs, lr=args.sft_lr,
             batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
             precision=args.mixed_precision)
         tensors |= {f"rctp/{k}": v for k, v in trained().items()}
