@@ -496,9 +496,11 @@ def stage_one(world, base_data, arms, args, path):
         supervised_finetune(
             world, [[s] for s in base_data], epochs=8, lr=3e-3, batch=32, seed=args.seed,
             token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
-    trained = lambda: {  # a copy of the trained weights as they are now
-        k: v.detach().clone() for k, v in world.model.named_parameters() if v.requires_grad}
-    base = trained()
+    def trained_weights():  # a copy of the trained weights as they are now
+        return {k: v.detach().clone()
+                for k, v in world.model.named_parameters() if v.requires_grad}
+
+    base = trained_weights()
     summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
     limits = bfcl.Limits.from_args(args)
     shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, limits)]
@@ -509,7 +511,7 @@ def stage_one(world, base_data, arms, args, path):
         supervised_finetune(
             world, expert, epochs=args.sft_epochs, lr=args.sft_lr, batch=args.sft_batch,
             seed=args.seed, token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
-        tensors |= {f"sft/{k}": v for k, v in trained().items()}
+        tensors |= {f"sft/{k}": v for k, v in trained_weights().items()}
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
     if "rctp" in needed:
         world.model.load_state_dict(base, strict=False)
@@ -518,7 +520,7 @@ def stage_one(world, base_data, arms, args, path):
             world, stage1_units(rctp_trajectories, args), epochs=args.rctp_epochs, lr=args.sft_lr,
             batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
             precision=args.mixed_precision)
-        tensors |= {f"rctp/{k}": v for k, v in trained().items()}
+        tensors |= {f"rctp/{k}": v for k, v in trained_weights().items()}
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
     tracking.save_checkpoint(path, tensors, {"summary": summary, "shown": shown})
@@ -578,16 +580,18 @@ def train(args):
             args, world, arm, use_tokens=use_tokens, reward_conditioned=algo == "rc-grpo",
             out_dir=out_dir, accelerator=accelerator)
         token = HIGH if use_tokens else None
-        shard = dict(accelerator=accelerator)  # every rank evaluates its share
+        # every rank evaluates its share
         result["accuracy"], result["bfcl_accuracy"] = evaluate(
-            world, world.test, token, args, **shard)
+            world, world.test, token, args, accelerator=accelerator)
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
-            result["rare_accuracy"] = evaluate(world, rare_test, token, args, **shard)[0]
-            sampled = evaluate(world, world.test, token, args, temperature=1.0, **shard)
+            rare = evaluate(world, rare_test, token, args, accelerator=accelerator)
+            result["rare_accuracy"] = rare[0]
+            sampled = evaluate(
+                world, world.test, token, args, temperature=1.0, accelerator=accelerator)
             result["sampled_accuracy"] = sampled[0]
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
-            low = evaluate(world, world.test, LOW, args, **shard)
+            low = evaluate(world, world.test, LOW, args, accelerator=accelerator)
             result["accuracy_under_low_token"] = low[0]
         shown.append(
             f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), limits))
