@@ -1,5 +1,20 @@
-"""Tests never touch the hub: offline mode is set before transformers/diffusers are imported."""
+"""Tests never touch the hub: offline mode is set before transformers/diffusers are imported.
 
+Where a new test goes (docs/testing.md maps every file):
+- an equation, a reward, a task or a script's own path on hand numbers → test_<script>.py
+  (test_common.py for common.py and utils/);
+- a bad flag, file, model or reward that must end in one `error:` line → test_bad_input.py;
+- anything about --resume, a killed run or a checkpoint → test_resume.py;
+- more than one process → test_distributed.py (DDP) or test_fsdp.py (--fsdp);
+- precision, token budgets, mini-/micro-batches or the row sampler → test_precision_and_budgets.py;
+- the Python tool's isolation → test_python_tool.py; line length, imports → test_style.py;
+- SmolLM2 → test_real_model.py (marker `real`); an "it learns" claim → its script's file, `slow`.
+
+`make test-fast` leaves out the markers `slow`, `real` and `long`: mark `long` any test that trains
+for more than a few seconds or starts other processes (pytest --durations=20 shows them).
+"""
+
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -16,9 +31,37 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def flow_grpo_cache(tmp_path_factory):
-    """One cache of flow_grpo's toy base model and reward classifier for the whole session (~20 s to
-    train)."""
-    return tmp_path_factory.mktemp("flow_grpo_cache")
+    """One cache of flow_grpo's toy base model and reward classifier (seed 0, ~20 s to train) for
+    the whole session, shared by the xdist workers: the first to get the lock trains it, the other
+    waits and reads the file."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "flow_grpo_cache"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / "ready").exists():
+            import torch
+
+            import flow_grpo
+            from envs import digits
+
+            args = flow_grpo.Args(cache_dir=str(folder))
+            digits.DigitsTask(args, torch.device("cpu"))  # trains and saves, or loads
+            (folder / "ready").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    """diffusers' tiny SD3 components and a tiny CLIP reward model, saved once, with three prompts:
+    (SD3 folder, CLIP folder, prompts file)."""
+    from tiny_sd3 import save_tiny_sd3
+
+    folder = tmp_path_factory.mktemp("tiny_sd3")
+    sd3, clip = save_tiny_sd3(folder)
+    prompts = folder / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\na green bird\n")
+    return sd3, clip, prompts
 
 
 def pytest_terminal_summary(terminalreporter):

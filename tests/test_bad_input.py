@@ -1,17 +1,20 @@
-"""The bad-input matrix over the four scripts: every case gets one clear message and a non-zero
-exit, before any model is built (model ids and data files are covered in each script's own
-tests)."""
+"""Bad input, all of it: every case gets one clear `error:` line and a non-zero exit, before any
+model is built where it can be (the table in docs/testing.md). The matrix over the four scripts
+first, then each script's own flags, model ids, data and prompt files and rewards. A bad --resume
+is in test_resume.py, beside the resume it protects."""
 
 import importlib
 
 import pytest
+import torch
 
 import agentflow
 import common
 import flow_grpo
 import flowrl
 import rc_grpo
-from utils import cli
+from test_flow_grpo import sd3_args
+from utils import cli, models
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
 CLIP_FLAG = {
@@ -81,96 +84,7 @@ def test_every_function_in_the_equation_map_exists_and_has_a_docstring(name):
         assert (getattr(home, attr).__doc__ or "").strip(), entry
 
 
-# ------------------------------------------------ nothing lost: resume, rerun and the output folder
-
-class OneProcess:
-    """What check_out_dir needs of an Accelerator, for one process."""
-
-    is_main_process = True
-
-    def wait_for_everyone(self):
-        pass
-
-
-def run_folder(folder):
-    """A run's files as a finished run leaves them: config, two lines of metrics, a summary."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text('{"steps": 2}\n')
-    (folder / "metrics.jsonl").write_text(
-        '{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n')
-    (folder / "summary.json").write_text('{"reward": 0.2}\n')
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-
-
-def other_scripts_checkpoint(path):
-    """A readable checkpoint of another run: weights this script's model does not have."""
-    import torch
-
-    from utils import tracking
-
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    tracking.save_training_state(path, 1, {"policy": model}, {"optimizer": optimizer},
-                                 {"rollouts": torch.Generator()}, {"records": []})
-
-
-@pytest.mark.parametrize("kind", ["corrupt", "truncated", "empty", "a folder", "another run's"])
-def test_a_failed_resume_leaves_the_run_as_it_was(kind, tmp_path, capsys):
-    """Every kind of unresumable checkpoint: one `error:` line, and metrics.jsonl and config.json
-    byte-identical (the history of a long run is never lost to a failed --resume)."""
-    folder = tmp_path / "run"
-    before = run_folder(folder)
-    checkpoint = folder / "checkpoint.safetensors"
-    if kind == "a folder":
-        checkpoint.mkdir()
-    elif kind == "another run's":
-        other_scripts_checkpoint(checkpoint)
-    else:
-        other_scripts_checkpoint(checkpoint)
-        data = checkpoint.read_bytes()
-        checkpoint.write_bytes({"corrupt": b"\x00garbage" * 50, "empty": b"",
-                                "truncated": data[: len(data) // 2]}[kind])
-    before = {name: (folder / name).read_bytes() for name in before}
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--quiet", "--steps", "2", "--resume", "--out-dir", str(folder)])
-    with pytest.raises(SystemExit) as exit_info:
-        flowrl.train(args)
-    message = str(exit_info.value)
-    assert message.startswith("error:") and "\n" not in message, message
-    expected = "does not match" if kind == "another run's" else "is unreadable"
-    assert expected in message and "without --resume" in message, message
-    assert {name: (folder / name).read_bytes() for name in before} == before
-
-
-def test_a_rerun_into_a_run_is_refused_and_overwrite_replaces_it(tmp_path):
-    from utils import tracking
-
-    folder = tmp_path / "run"
-    before = run_folder(folder)
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(folder)])
-    with pytest.raises(SystemExit, match="already holds a run; --resume continues it"):
-        flowrl.train(args)
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    args.overwrite = True
-    tracking.check_out_dir(folder, args, OneProcess())
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
-
-
-def test_resume_without_a_checkpoint(tmp_path, capsys):
-    """--resume of a run that saved no checkpoint is refused (nothing would be continued); of an
-    empty folder it starts fresh and says so."""
-    from utils import tracking
-
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--resume"])
-    run_folder(tmp_path / "run")
-    with pytest.raises(SystemExit, match="holds a run but no checkpoint"):
-        tracking.check_out_dir(tmp_path / "run", args, OneProcess())
-    tracking.check_out_dir(tmp_path / "new", args, OneProcess())
-    assert "starting fresh" in capsys.readouterr().err
-    args.overwrite = True
-    with pytest.raises(SystemExit, match="exclude each other"):
-        tracking.check_out_dir(tmp_path / "new", args, OneProcess())
-
+# ------------------------------------------------------------------------------ the output folder
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_an_out_dir_that_cannot_be_written_is_one_line(name, tmp_path):
@@ -278,3 +192,94 @@ def test_a_corrupt_toy_cache_is_rebuilt_and_a_file_cache_dir_is_refused(tmp_path
         "--quiet", "--out-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "file")])
     with pytest.raises(SystemExit, match="--cache-dir .* is not a folder"):
         flow_grpo.train(args)
+
+
+# ------------------------------------------------------------------------------------- flowrl.py
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "full", "--data", ""], "needs --data"),
+        (["--task", "numbers"], "needs --model"),
+        (["--model", "smollm2"], "valleys toy builds its own model"),
+        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none")],
+)
+def test_flowrl_bad_flags_get_one_clear_message(tmp_path, argv, message):
+    args = cli.parse_args(
+        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match=message):
+        flowrl.train(args)
+
+
+def test_flowrl_bad_model_and_data_files_get_one_clear_message(tmp_path):
+    tokenizer = models.make_tokenizer(["a"])
+    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
+    cases = [
+        (
+            str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl",
+            "could not load.*--preset toy"),
+        (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "is not a file"),
+        (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2: not JSON"),
+    ]
+    for model, data, message in cases:
+        args = cli.parse_args(
+            flowrl.Args,
+            flowrl.PRESETS,
+            [
+                "--preset", "full", "--model", model, "--data", data, "--quiet", "--out-dir",
+                str(tmp_path / "run")],
+        )
+        with pytest.raises(SystemExit, match=message):
+            flowrl.train(args)
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4"]], ids=["one-process", "lora"])
+def test_fsdp_in_one_process_or_with_lora_is_one_line(extra, tmp_path):
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
+        "--fsdp", "--quiet", "--device", "cpu", "--out-dir", str(tmp_path), *extra])
+    with pytest.raises(SystemExit) as exit_info:
+        flowrl.train(args)
+    message = str(exit_info.value)
+    assert message.startswith("error: --fsdp") and "\n" not in message, message
+
+
+# ---------------------------------------------------------------------------------- flow_grpo.py
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--noise-level", "0"], "ODE"), (["--group-size", "1"], "group-size"),
+        (["--prompts", "/nonexistent.txt"], "not a file"),
+        (["--reward", "no_such_module:score"], "--reward"),
+        (["--model", "/nonexistent/sd3"], "could not load")],
+)
+def test_flow_grpo_sd3_bad_input_gets_one_clear_message(tmp_path, tiny_sd3, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        flow_grpo.train(sd3_args(tmp_path, tiny_sd3, *extra))
+
+
+def nan_reward(images, prompts):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def raising_reward(images, prompts):
+    raise RuntimeError("reward server down")
+
+
+@pytest.mark.parametrize(
+    "fn, message", [("nan_reward", "finite score"), ("raising_reward", "reward server down")])
+def test_a_reward_that_returns_nan_or_raises_gets_one_clear_message(
+    tmp_path, tiny_sd3, fn, message
+):
+    with pytest.raises(SystemExit, match=message):
+        flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--reward", f"test_bad_input:{fn}"))
+
+
+def test_flow_grpo_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    for name, message in [("empty.txt", "holds no rows"), ("bad.jsonl", "'prompt' must be")]:
+        with pytest.raises(SystemExit, match=message):
+            flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--prompts", str(tmp_path / name)))

@@ -24,6 +24,7 @@ from envs import digits, flowrl_tasks
 from utils import cli, distributed
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.long
 
 
 def train_and_load(tmp_path, name, processes, flags, env=None):

@@ -61,7 +61,6 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     metrics = flowrl_tasks.exact_metrics(model, model, tokenizer, task, beta=1.0)
     texts, pi, target, reward = metrics["dists"][0]
     assert sum(pi) == pytest.approx(1.0, abs=1e-4) and sum(target) == pytest.approx(1.0, abs=1e-4)
-    assert metrics["kl_policy_to_target"] > 0  # π = π_ref ≠ p*
     prompt = tokenizer(task.prompts[0], add_special_tokens=False)["input_ids"]
     vocab = len(tokenizer)
     with torch.no_grad():
@@ -87,26 +86,14 @@ def _kl(p, q):
     return (p * (p.log() - q.log())).sum().item()
 
 
-@pytest.mark.parametrize("algo", ["flowrl", "grpo"])
-def test_toy_run_is_on_policy_and_deterministic(tmp_path, algo):
-    a = flowrl.train(toy_args(tmp_path / "a", "--algo", algo, "--steps", "3", "--eval-every", "3"))
-    b = flowrl.train(toy_args(tmp_path / "b", "--algo", algo, "--steps", "3", "--eval-every", "3"))
-    assert (
-        a["sampler_logprob_max_dev"] < 1e-3 and b["kl_policy_to_target"] == a["kl_policy_to_target"]
-    )
-    clock = lambda k: k == "sec" or k.startswith("time_")  # wall-clock seconds
-    strip = lambda p: [{k: v for k, v in json.loads(l).items() if not clock(k)} for l in open(p)]
-    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
-    for name in ["summary.json", "kl.png", "valleys.png", "config.json"]:
-        assert (tmp_path / "a" / name).exists()
-
-
-def test_toy_with_lora_uses_the_adapter_off_model_as_reference(tmp_path):
+def test_toy_with_lora_runs_and_scores_what_it_sampled(tmp_path):
+    """A smoke test of the LoRA path on the toy (π_ref = the adapter off): it runs, and training
+    scores what the sampler drew."""
     summary = flowrl.train(
         toy_args(
             tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2", "--group-size", "16")
     )
-    assert summary["sampler_logprob_max_dev"] < 1e-3 and summary["kl_policy_to_target"] > 0
+    assert summary["sampler_logprob_max_dev"] < 1e-3
 
 
 @pytest.mark.slow
@@ -193,46 +180,6 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
     assert not any("net." in k for k in policy.state_dict())
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--group-size", "1"], "group-size"), (["--lr", "-1"], "--lr"),
-        (["--clip-eps", "0"], "--clip-eps"), (["--preset", "full", "--data", ""], "needs --data"),
-        (["--task", "numbers"], "needs --model"),
-        (["--model", "smollm2"], "valleys toy builds its own model"),
-        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none")],
-)
-def test_bad_flags_get_one_clear_message(tmp_path, argv, message):
-    args = cli.parse_args(
-        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
-    with pytest.raises(SystemExit, match=message):
-        flowrl.train(args)
-
-
-def test_bad_model_and_data_files_get_one_clear_message(tmp_path):
-    tokenizer = models.make_tokenizer(["a"])
-    models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
-    cases = [
-        (
-            str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl",
-            "could not load.*--preset toy"),
-        (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "is not a file"),
-        (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2: not JSON"),
-    ]
-    for model, data, message in cases:
-        args = cli.parse_args(
-            flowrl.Args,
-            flowrl.PRESETS,
-            [
-                "--preset", "full", "--model", model, "--data", data, "--quiet", "--out-dir",
-                str(tmp_path / "run")],
-        )
-        with pytest.raises(SystemExit, match=message):
-            flowrl.train(args)
-
-
 def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -296,6 +243,9 @@ def tiny_chat_model(tmp_path_factory):
 
 @pytest.mark.parametrize("task, algo", [("numbers", "flowrl"), ("addition", "grpo")])
 def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
+    """A smoke test of the laptop presets' path with a tiny random model: it runs, scores what it
+    sampled and writes its plots and policy (the spread's and Avg@k's numbers are checked by
+    test_answer_spread_… and test_avg_at_k_… on hand-made replies)."""
     preset = f"smollm2-{task}"
     summary = flowrl.train(
         toy_args(
@@ -306,10 +256,10 @@ def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
     assert summary["sampler_logprob_max_dev"] < 1e-3
     if task == "numbers":
         assert len(summary["counts"]) == len(flowrl_tasks.NUMBER_QUESTIONS)
-        assert 0 <= summary["spread_reward"] <= 1 and summary["distinct_correct"] >= 0
+        assert {"spread_reward", "distinct_correct", "correct_entropy"} <= set(summary["before"])
         assert (tmp_path / "answers.png").stat().st_size > 0
     else:  # greedy accuracy on the 64 held-out sums, logged at every evaluation
-        assert 0 <= summary["avg_at_k"] <= 1 and "avg_at_k" in summary["before"]
+        assert "avg_at_k" in summary and "avg_at_k" in summary["before"]
         assert (tmp_path / "eval.png").stat().st_size > 0
     assert (tmp_path / "policy" / "config.json").exists()
 
@@ -346,7 +296,10 @@ def test_spread_sweep_row_and_claim():
 def test_train_takes_args_built_in_python(tmp_path):
     summary = flowrl.train(flowrl.Args(steps=2, eval_every=2, quiet=True, out_dir=str(tmp_path)))
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["preset"] == "toy" and summary["kl_policy_to_target"] > 0
+    assert config["preset"] == "toy" and config["steps"] == 2 and config["eval_every"] == 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert summary["kl_policy_to_target"] == json.loads(
+        (tmp_path / "summary.json").read_text())["kl_policy_to_target"]
 
 
 def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path, monkeypatch):
@@ -386,18 +339,3 @@ def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path,
     one, rank0, rank1 = drawn
     assert one[0::2] == rank0 and one[1::2] == rank1  # row r on rank r mod 2, the same draw
     assert len(set(one[:4])) > 1  # one question's 4 samples are not one sample repeated
-
-
-def test_a_resumed_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
-    """The start's evaluation (Avg@16 takes about an hour at full scale) is saved with the
-    checkpoint: resuming reads it back instead of evaluating the trained weights as the start."""
-    calls = []
-    evaluate = flowrl_tasks.evaluate
-    monkeypatch.setattr(
-        flowrl_tasks, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
-    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1"]
-    fresh = flowrl.train(toy_args(tmp_path, *flags))
-    assert len(calls) == 2  # the start and the end
-    resumed = flowrl.train(toy_args(tmp_path, *flags, "--resume"))
-    assert len(calls) == 3  # the end only
-    assert resumed["before"] == fresh["before"]

@@ -1,31 +1,25 @@
 """`flowrl.py --fsdp` on two CPU processes (torchrun, gloo, FSDP2's fully_shard): the sharded run
-trains what one unsharded process trains, ranks with different numbers of micro-batches finish, and
-a run killed after a checkpoint resumes to the same end.
+trains what one unsharded process trains, and ranks with different numbers of micro-batches finish
+(a killed sharded run resuming: test_resume.py; `--fsdp` misused: test_bad_input.py).
 
 The one-process runs have the same global batch. The logged loss is rank 0's share, so the curve
 compared is the gradient norm, which both compute over the whole batch. FlowRL's log Z head has
 dropout whose draws depend on the process layout, so the comparisons with one process use the GRPO
-arms; the resume test runs the flowrl arm against an uninterrupted two-rank run."""
+arms."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-import common
 import flowrl
 from envs import flowrl_tasks
 from test_distributed import distance, train_and_load
 from utils import cli, models
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.long
 MATH = str(ROOT / "tests" / "data" / "math_tiny.jsonl")
 
 
@@ -75,68 +69,3 @@ def save_tiny_math_model(folder):
     tokenizer = models.make_tokenizer(words + [str(n) for n in range(10)])
     models.tiny_causal_lm(len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(tmp_path):
-    """flowrl arm (log Z head replicated, the policy sharded), bf16 compute: SIGKILL once a
-    checkpoint exists, then --resume; the summary and metrics equal an uninterrupted run's, and
-    the saved policy reloads with from_pretrained to the trained weights."""
-    save_tiny_math_model(tmp_path / "tiny")
-    flags = ["--preset", "full", "--model", str(tmp_path / "tiny"), "--data", MATH,
-             "--eval-data", MATH, "--eval-k", "2", "--steps", "4", "--prompts-per-step", "2",
-             "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "6", "--lr", "1e-3",
-             "--logz-lr", "1e-2", "--warmup-steps", "0", "--eval-every", "100", "--save-every",
-             "1", "--mixed-precision", "bf16", "--fsdp", "--quiet", "--device", "cpu"]
-    run = lambda name, *extra: [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(ROOT / "tests" / "ddp_driver.py"), "flowrl", str(tmp_path / name), *flags,
-        "--out-dir", str(tmp_path / f"{name}-run"), *extra]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    subprocess.run(run("whole"), check=True, cwd=ROOT, capture_output=True, timeout=300, env=env)
-
-    killed = subprocess.Popen(run("killed"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    checkpoint = tmp_path / "killed-run" / "checkpoint.safetensors"
-    deadline = time.time() + 300
-    while not checkpoint.exists() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(killed.pid, signal.SIGKILL)  # torchrun and both ranks
-    killed.wait()
-    from utils import tracking
-
-    assert tracking.checkpoint_state(checkpoint)["step"] < 4, "finished before it was killed"
-    subprocess.run(run("killed", "--resume"), check=True, cwd=ROOT, capture_output=True,
-                   timeout=300, env=env)
-
-    def ended(name):
-        summary = json.loads((tmp_path / f"{name}-run" / "summary.json").read_text())
-        lines = (tmp_path / f"{name}-run" / "metrics.jsonl").read_text().splitlines()
-        records = [{k: v for k, v in json.loads(line).items()
-                    if k != "sec" and not k.startswith("time_")}  # wall-clock seconds
-                   for line in lines]
-        summary = {k: v for k, v in summary.items() if k not in ("wall_seconds", "peak_rss_mb")}
-        return summary, records
-
-    assert ended("killed") == ended("whole")
-    # the saved policy is the trained model: the driver's gathered weights, loaded into the
-    # reloaded architecture, score what the reloaded policy scores
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "whole-run" / "policy")
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "whole-run" / "policy")
-    weights = torch.load(tmp_path / "whole.rank0.pt")
-    with torch.no_grad():
-        for p, w in zip(trained.parameters(), weights):
-            p.copy_(w)
-    ids = torch.tensor([list(range(4, 20))])
-    reloaded = common.completion_logprobs(saved, ids, torch.ones_like(ids), 8)
-    in_memory = common.completion_logprobs(trained, ids, torch.ones_like(ids), 8)
-    assert (reloaded - in_memory).abs().max() <= 1e-5
-
-
-@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4"]], ids=["one-process", "lora"])
-def test_fsdp_in_one_process_or_with_lora_is_one_line(extra, tmp_path):
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--fsdp", "--quiet", "--device", "cpu", "--out-dir", str(tmp_path), *extra])
-    with pytest.raises(SystemExit) as exit_info:
-        flowrl.train(args)
-    message = str(exit_info.value)
-    assert message.startswith("error: --fsdp") and "\n" not in message, message

@@ -87,7 +87,7 @@ def test_pi_old_under_bf16_is_the_updates_own_forward_and_the_samplers_gap_is_re
 def test_flowrls_on_policy_ratio_is_exactly_one_under_bf16(tmp_path):
     """One loop end to end under bf16 autocast: the first update's ratio is exactly 1 while the
     sampler's gap is still logged (agentflow's and rc_grpo's loops take π_old the same way,
-    `mb.old_logp = logp.detach()`; their fp32 runs log ratio_dev 0 in test_resume.py)."""
+    `mb.old_logp = logp.detach()`, and score with the same `common` functions)."""
     step = first_step(tmp_path, "flowrl", "--mixed-precision", "bf16")
     assert step["ratio_dev_first"] == 0.0
     assert step["sampler_logprob_max_dev"] > 0  # generate's bf16 rounding, a diagnostic only
