@@ -46,8 +46,13 @@ Deviations (numbered, on purpose):
        on disjoint mini-batches of each rollout batch (`--minibatches`; w acts from the second),
        at a size one GPU generates: `--prompts-per-step` 32 (original 512, mini-batches of 32
        prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B-Instruct (original:
-       the base Qwen2.5-7B; 32B in the paper too). `--preset full-7b` keeps the original's model,
-       batch and 8k lengths, sharded over the GPUs (`--fsdp`). Prompts are not capped (the original
+       the base Qwen2.5-7B; 32B in the paper too). Its 200 rollout batches (`--steps`; original:
+       one pass, `--total-epochs` 1) draw 6 400 prompts without replacement, about a third of a
+       pass over DAPO-Math-17k's ~17 k unique prompts, and it evaluates every 50 (`--eval-every`;
+       original: 5): an Avg@16 evaluation samples 16 answers per held-out prompt, which the
+       one-GPU preset spends on training instead. `--preset full-7b` keeps the original's
+       model, batch, 8k lengths, length (one pass over --data, ⌊rows/512⌋ rollout batches) and
+       evaluation cadence, sharded over the GPUs (`--fsdp`). Prompts are not capped (the original
        truncates them on the left at 2048 tokens).
     8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
        truncation, so what it draws is what the trainer scores.
@@ -110,6 +115,15 @@ class Args:
     data: str = cli.arg("", "JSONL of {prompt|problem, answer} for --task math")
     eval_data: str = cli.arg("", "JSONL for Avg@k evaluation (full preset)")
     steps: int = cli.arg(300, "rollout batches")
+    sampling: str = cli.arg(
+        "replacement",
+        "replacement: each rollout batch draws B prompts uniformly (the toys); shuffle: passes over "
+        "the prompts in a fresh random order, each prompt once per pass, a last partial batch "
+        "dropped (the original's loader)",
+        ["replacement", "shuffle"])
+    total_epochs: int = cli.arg(
+        0, "passes over the prompts (--sampling shuffle), ⌊prompts/B⌋ rollout batches each, in "
+        "place of --steps (0 = --steps counts; original: 1)")
     prompts_per_step: int = cli.arg(4, "B, prompts per rollout batch")
     group_size: int = cli.arg(64, "G, samples per prompt (original: 8)")
     inner_steps: int = cli.arg(8, "epochs over each rollout batch (--minibatches steps each)")
@@ -174,7 +188,7 @@ PRESETS = {
         group_size=8, inner_steps=1, minibatches=16, max_new_tokens=1024, beta=15.0,
         reward_norm="group", lr=1e-6, logz_lr=1e-6, weight_decay=0.1, warmup_steps=10, eval_k=16,
         dual_clip=3.0, eval_every=50, micro_batch_tokens=8192, gen_batch=64,
-        gradient_checkpointing=True),
+        gradient_checkpointing=True, sampling="shuffle"),
     # A real pretrained model on a laptop CPU: SmolLM2-135M-Instruct (bundled by a registry package,
     # no download), full fine-tuning in fp32. Greedy accuracy on the 64 held-out sums is Avg@1 at
     # T = 0. The numbers preset: β = 1 on the group-normalised r̂ (β = 15 would dwarf the log-ratio
@@ -187,11 +201,12 @@ PRESETS = {
         max_new_tokens=10, beta=1.0, reward_norm="group", lr=6e-6, logz_lr=1e-4, gen_batch=256,
         eval_every=1000),
 }
-# The original's model and shapes (512 prompts × G 8, 8k new tokens), sharded over the GPUs
-# (--fsdp; the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`.
+# The original's model, shapes (512 prompts × G 8, 8k new tokens) and length: one shuffled pass
+# over --data (⌊rows/512⌋ rollout batches, evaluated before the first and every 5th), sharded over
+# the GPUs (--fsdp; the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`.
 PRESETS["full-7b"] = PRESETS["full"] | dict(
     model="Qwen/Qwen2.5-7B", prompts_per_step=512, max_new_tokens=8192, micro_batch_tokens=16384,
-    fsdp=True)
+    fsdp=True, total_epochs=1, eval_every=5)
 
 
 # ------------------------ the math: trajectory balance with a learned log Z, and the GRPO baseline
@@ -317,6 +332,30 @@ def warm_up(optimizer, step, warmup_steps):
         group["lr"] = group["base_lr"] * factor
 
 
+def rollout_batches(args, num_prompts):
+    """--steps, or with --total-epochs E: E·⌊prompts/B⌋, the original's length (its loader drops a
+    last partial batch; verl's total_training_steps = len(train_dataloader)·total_epochs)."""
+    per_epoch = num_prompts // args.prompts_per_step
+    cli.check_args([(args.sampling == "replacement" or per_epoch >= 1,
+                     f"--sampling shuffle: --prompts-per-step {args.prompts_per_step} is more "
+                     f"than the {num_prompts} prompts of one pass")])
+    return args.total_epochs * per_epoch if args.total_epochs else args.steps
+
+
+def draw_prompts(step, num_prompts, args, gen):
+    """The B prompt indices of rollout batch `step` (1, 2, …): uniform draws with replacement from
+    `gen` (--sampling replacement), or the step's slice of its pass's random order, each prompt
+    once per pass (--sampling shuffle, as the original's shuffled loader). A pass's order is
+    recomputed from (seed, pass), so a resumed run continues it."""
+    if args.sampling == "replacement":
+        return torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
+    per_epoch = num_prompts // args.prompts_per_step
+    epoch, batch = divmod(step - 1, per_epoch)
+    order_seed = (args.seed * 1_000_003 + epoch) % 2**63
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(order_seed))
+    return order[batch * args.prompts_per_step : (batch + 1) * args.prompts_per_step]
+
+
 def validate(args):
     """One line per bad flag (cli.check_args: every number's range, then these), before any model
     is built."""
@@ -328,6 +367,8 @@ def validate(args):
                 (args.task == "math") == bool(args.data),
                 "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
             ),
+            (not args.total_epochs or args.sampling == "shuffle",
+             "--total-epochs counts passes without replacement: it needs --sampling shuffle"),
             (not (args.fsdp and args.lora_rank),
              "--fsdp shards a full fine-tune; a LoRA run keeps its base whole (drop one)"),
             (
@@ -350,6 +391,7 @@ def train(args):
     out_dir = Path(args.out_dir or f"runs/{name}{'' if args.algo == 'flowrl' else '-' + args.algo}")
     tracking.check_out_dir(out_dir, args, accelerator)
     tokenizer, model, task = flowrl_tasks.build(args, device)
+    args = dataclasses.replace(args, steps=rollout_batches(args, len(task.prompts)))
     # π_ref: the same network with LoRA disabled, or a frozen copy of the starting weights
     ref_model = None if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     autocast = common.training_autocast(device, args.mixed_precision)
@@ -396,7 +438,7 @@ def train(args):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         with phases.time("rollout"):
-            drawn = torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
+            drawn = draw_prompts(step, num_prompts, args, gen)
             picked = drawn[mine.start : mine.stop].tolist()  # this rank's groups
             seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
             group_prompts = [task.prompts[i] for i in picked]

@@ -302,6 +302,46 @@ def test_train_takes_args_built_in_python(tmp_path):
         (tmp_path / "summary.json").read_text())["kl_policy_to_target"]
 
 
+def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
+    """--sampling shuffle, as the original's loader: each pass a fresh order, every prompt at most
+    once per pass (a last partial batch dropped), recomputed from (seed, pass) without the rollout
+    generator (a resumed run continues it); --total-epochs E makes E·⌊prompts/B⌋ rollout batches.
+    --sampling replacement (the toys) is torch.randint on the rollout generator, as before."""
+    args = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2)
+    assert flowrl.rollout_batches(args, 10) == 4  # two passes of ⌊10/4⌋ = 2 batches
+    gen = torch.Generator().manual_seed(0)
+    state = gen.get_state()
+    draws = [flowrl.draw_prompts(step, 10, args, gen).tolist() for step in range(1, 5)]
+    assert torch.equal(gen.get_state(), state)
+    for one_pass in (draws[:2], draws[2:]):
+        seen = one_pass[0] + one_pass[1]
+        assert len(set(seen)) == 8 and set(seen) <= set(range(10))
+    assert draws[:2] != draws[2:]
+    assert flowrl.draw_prompts(3, 10, args, torch.Generator()).tolist() == draws[2]
+    seed_1 = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2, seed=1)
+    assert [flowrl.draw_prompts(s, 10, seed_1, gen).tolist() for s in (1, 2)] != draws[:2]
+    with pytest.raises(SystemExit, match="more than the 3 prompts"):
+        flowrl.rollout_batches(args, 3)
+    toy = flowrl.Args()
+    drawn = flowrl.draw_prompts(1, 10, toy, torch.Generator().manual_seed(3))
+    expected = torch.randint(10, (toy.prompts_per_step,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(drawn, expected) and flowrl.rollout_batches(toy, 10) == toy.steps
+
+
+def test_full_7b_runs_one_pass_at_the_originals_batch_and_evaluation_cadence(tmp_path):
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--preset", "full-7b", "--data", "x"])
+    assert (args.sampling, args.total_epochs, args.eval_every) == ("shuffle", 1, 5)
+    assert args.prompts_per_step == 512 and args.warmup_steps == 10
+    # ⌊rows/512⌋, the last partial batch dropped
+    assert flowrl.rollout_batches(args, 34 * 512) == flowrl.rollout_batches(args, 35 * 512 - 1) == 34
+    # a run's length follows from its prompts: the toy's 4, one pass of B = 2 → 2 rollout batches
+    summary = flowrl.train(toy_args(
+        tmp_path, "--sampling", "shuffle", "--total-epochs", "1", "--prompts-per-step", "2"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["steps"] == 2 and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "kl_policy_to_target" in summary
+
+
 def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path, monkeypatch):
     """Avg@k's rows are seeded per (question, sample): the k samples of a question differ, and two
     ranks' shards draw exactly what one process draws for the same rows."""
