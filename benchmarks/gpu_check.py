@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
+from memory_plan import full_plan, in_gib, param_counts, preset_plans  # noqa: E402
 from utils import cli, distributed, models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -86,70 +87,6 @@ def peak_flops(device):
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def param_counts(config, lora_rank=0):
-    """(parameters, trained parameters) of a Qwen2 `config`; LoRA on every linear layer trains
-    r·(in + out) each: q/o h→h, k/v h→kv·d, gate/up h→I, down I→h."""
-    h, layers, inter, vocab = (config[k] for k in (
-        "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
-    head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
-    per_layer = 4 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter
-    params = layers * per_layer + vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    if not lora_rank:
-        return params, params
-    return params, lora_rank * layers * (9 * h + 2 * kv_heads * head_dim + 3 * inter)
-
-
-def sequence_bytes(config, rows, prompt_len, new_tokens, token_budget, checkpointing):
-    """Bytes of `generate`'s KV cache for `rows` sequences, and of one micro-batch of
-    `token_budget` tokens: its saved activations (per layer only its input under checkpointing)
-    and its completion logits (bf16, their fp32 copy for logsumexp, and that copy's gradient: 18
-    bytes per element, as measured)."""
-    h, layers, inter, vocab = (config[k] for k in (
-        "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
-    head_dim, kv_heads = h // config["num_attention_heads"], config["num_key_value_heads"]
-    seq = prompt_len + new_tokens
-    micro_rows = max(1, token_budget // seq)
-    layer_act = (12 * h + 4 * inter) * 2  # bytes per token of one layer's saved activations (bf16)
-    activations = micro_rows * seq * (layers * h * 2 + layer_act if checkpointing
-                                      else layers * layer_act)
-    return {"kv_cache": rows * seq * layers * 2 * kv_heads * head_dim * 2,
-            "activations": activations, "logits": micro_rows * (new_tokens + 1) * vocab * 18}
-
-
-def in_gib(parts):
-    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    return gib | {"total": round(sum(gib.values()), 2)}
-
-
-def planned_peak_gib(config, lora_rank, rows, prompt_len, new_tokens, token_budget, checkpointing):
-    """The preset's planned peak memory on one GPU, by parts (GiB): weights (fp32 master weights
-    for a full fine-tune, a bf16 base under LoRA), gradients and AdamW moments of the trained
-    weights, the frozen reference (a full fine-tune's fp32 copy; under LoRA the adapter is switched
-    off), the KV cache and one micro-batch (sequence_bytes)."""
-    params, trained = param_counts(config, lora_rank)
-    return in_gib({
-        "weights": params * (2 if lora_rank else 4), "grads_and_adam": trained * 12,
-        "reference": 0 if lora_rank else params * 4,
-        **sequence_bytes(config, rows, prompt_len, new_tokens, token_budget, checkpointing)})
-
-
-def planned_fsdp_gib(config, gpus, rows, prompt_len, new_tokens, token_budget):
-    """A sharded full fine-tune's (--fsdp) planned peak per GPU on `gpus` GPUs, by phase (GiB).
-    Each rank keeps 1/N of the fp32 weights, their gradients and AdamW moments (16 bytes per
-    parameter) and of the bf16 reference (2 bytes). The update adds two gathered bf16 layers (the
-    one computing and the next, prefetched) and one checkpointed micro-batch; the rollout gathers
-    the whole policy in bf16 (`distributed.unsharded`) and holds the KV cache of `rows`."""
-    params, _ = param_counts(config)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    layer = 4 * h * h + 3 * h * inter  # about one decoder layer's parameters
-    sharded = {"sharded_state": params * 18 / gpus}
-    seq = sequence_bytes(config, rows, prompt_len, new_tokens, token_budget, True)
-    update = sharded | {"gathered_layers": 2 * layer * 2, "activations": seq["activations"],
-                        "logits": seq["logits"]}
-    rollout = sharded | {"gathered_policy": params * 2, "kv_cache": seq["kv_cache"]}
-    return {"update": in_gib(update), "rollout": in_gib(rollout)}
 
 
 def word_tokenizer():
@@ -259,11 +196,13 @@ def flowrl_job(tiny, device, out_dir):
                             + "\n" for i in range(8)))
     argv = ["--preset", "full", "--model", "qwen2.5-1.5b", "--data", str(data), "--steps", "2",
             "--prompts-per-step", "8", "--minibatches", "4", "--eval-every", "1000", *extra]
-    plan = planned_peak_gib(config, 0, 64, prompt_words + 10, 1024, 8192, True)
+    plan = full_plan(config, gen_rows=64, prompt_tokens=prompt_words + 10, new_tokens=1024,
+                     micro_batch_tokens=8192)
     with random_weights(device, llm=config):
         record, peak = second_step(flowrl, argv, Path(out_dir) / "run")
     params, _ = param_counts(config)
-    result = {"job": "flowrl --preset full", "params": params, "plan_total_gib": plan["total"]}
+    result = {"job": "flowrl --preset full", "params": params,
+              "plan_total_gib": max(in_gib(phase)["total"] for phase in plan.values())}
     result |= figures(record, peak, params, 6, device)
     decode_steps = record["tokens_rollout"] / 64  # one generate call: rows share the length
     result["decode_gb_per_s"] = round(2 * params * decode_steps / record["time_rollout"] / 1e9, 1)
@@ -314,21 +253,16 @@ def flow_grpo_job(tiny, device, out_dir):
 
 
 def real_llm_plans():
-    """{preset: planned peak} of the LLM presets at their own shapes (one `generate` call's rows,
-    prompts of 256 tokens; full-7b's of 2 048, the original's cap): flowrl's full and rc_grpo's
-    bfcl on one GPU, flowrl's full-7b sharded over 8."""
-    full, bfcl, big = (flowrl.PRESETS["full"], rc_grpo.PRESETS["bfcl"],
-                       flowrl.PRESETS["full-7b"])
+    """{preset: planned peak} of the LLM presets at their own shapes (benchmarks/memory_plan.py,
+    by term, in GiB): flowrl's full and rc_grpo's bfcl on one GPU at their larger phase, flowrl's
+    full-7b sharded over 8 by phase."""
+    plans = preset_plans()
+    larger = lambda phases: max(map(in_gib, phases.values()), key=lambda gib: gib["total"])
     return {
-        "flowrl full-7b (qwen2.5-7b, fsdp, per gpu of 8)": planned_fsdp_gib(
-            QWEN["qwen2.5-7b"], 8, big["gen_batch"], 2048, big["max_new_tokens"],
-            big["micro_batch_tokens"]),
-        "flowrl full (qwen2.5-1.5b)": planned_peak_gib(
-            QWEN["qwen2.5-1.5b"], 0, full["gen_batch"], 256, full["max_new_tokens"],
-            full["micro_batch_tokens"], full["gradient_checkpointing"]),
-        "rc_grpo bfcl (qwen2.5-7b + lora)": planned_peak_gib(
-            QWEN["qwen2.5-7b"], bfcl["lora_rank"], bfcl["gen_batch"], 256, bfcl["max_new_tokens"],
-            bfcl["micro_batch_tokens"], bfcl["gradient_checkpointing"])}
+        "flowrl full-7b (qwen2.5-7b, fsdp, per gpu of 8)": {
+            phase: in_gib(terms) for phase, terms in plans["flowrl full-7b"].items()},
+        "flowrl full (qwen2.5-1.5b)": larger(plans["flowrl full"]),
+        "rc_grpo bfcl (qwen2.5-7b + lora)": larger(plans["rc_grpo bfcl"])}
 
 
 def main():
