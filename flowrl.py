@@ -60,6 +60,9 @@ Deviations (numbered, on purpose):
        and the math answer is read from `\boxed{}` (DAPO's data asks for an "Answer:" line).
     10. `--algo grpo` has no KL term; the original training script sets a 0.001 `low_var_kl` loss,
        which its FlowRL objective ignores (the paper's baseline configurations are not released).
+    11. A non-finite gradient norm stops the run with one line (`common.check_finite`), where the
+       original's verl skips that optimiser step and goes on (`dp_actor.py`): in this code such a
+       norm has meant a bug or a diverged run, which a skipped step would hide in the log.
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py                   # exact KL(π‖p*) 0.483 → 0.011, 23.4 of 24 kept
@@ -255,6 +258,8 @@ class LogZHead(nn.Module):
         hidden = hidden.detach() if detach else hidden
         pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(
             min=1)
+        # NOTE: the head runs in fp32, outside autocast and outside FSDP's units (replicated); the
+        # original's sits inside its bf16 FSDP module. A few MLP layers: the difference is rounding.
         return self.net(pooled.float()).squeeze(-1)
 
 
