@@ -164,7 +164,9 @@ class ToolSystem:
 
     def execute(self, calls):
         """The executor writes each tool's input from the question, the sub-goal and the memory so
-        far (the official executor's context), then the tool runs."""
+        far, then the tool runs. (The official executor reads the query, the sub-goal, the tool's
+        name and metadata, and a "Context" the planner wrote; the paper's Eq. 2 conditions it on the
+        planner's action and the toolset only. DEVIATION 4 in agentflow.py.)"""
         commands = self.frozen(
             [
                 f"Question: {q['question']}\nContext (earlier steps):\n{render_memory(m)}\n"

@@ -1,5 +1,6 @@
 """Run plumbing: the logger (config, JSONL metrics, summary, plots, TensorBoard) and checkpoints
-that are atomic and resume bit-exactly."""
+that are atomic and resume where the run stopped (bit-exactly on a CPU; on GPUs up to their
+kernels' own nondeterminism)."""
 
 import collections
 import contextlib
@@ -426,7 +427,8 @@ def unreadable_checkpoint_exits(path, load):
 class Run:
     """One training run's plumbing, not a trainer (the loop stays in the script): the RunLogger
     and an atomic checkpoint of the `modules`, `optimizers` and `generators` every `save_every`
-    steps and at the last step, from which `resume` continues bit-exactly.
+    steps and at the last step, from which `resume` continues: bit-exactly on a CPU (a test), and
+    on GPUs with the same weights, moments and each rank's RNG states.
 
     Nothing in out_dir is written before `resume()` has loaded the checkpoint: a checkpoint that
     fails to load leaves the run's files as they were. Only the main process writes; every
