@@ -13,6 +13,7 @@ import common
 import flow_grpo
 import flowrl
 import rc_grpo
+from test_agentflow import tiny_planner
 from test_flow_grpo import sd3_args
 from utils import cli, models
 
@@ -283,3 +284,47 @@ def test_flow_grpo_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):
     for name, message in [("empty.txt", "holds no rows"), ("bad.jsonl", "'prompt' must be")]:
         with pytest.raises(SystemExit, match=message):
             flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--prompts", str(tmp_path / name)))
+
+
+# ------------------------------------------------------------------------------------ rc_grpo.py
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--arms", "sft+ppo"], "--arms"),
+        (["--p-high", "1.5"], "p-high"),
+        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load")],
+)
+def test_rc_grpo_bad_input_gets_one_clear_message(tmp_path, extra, message):
+    args = cli.parse_args(
+        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+    with pytest.raises(SystemExit, match=message):
+        rc_grpo.train(args)
+
+
+# ---------------------------------------------------------------------------------- agentflow.py
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "0"], "temperature"),
+        (["--preset", "full", "--data", ""], "needs --data"),
+        (
+            ["--preset", "full", "--data", "/nonexistent.jsonl", "--model", "/nonexistent/model"],
+            "could not load"),
+    ],
+)
+def test_agentflow_bad_input_gets_one_clear_message(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        agentflow.train(cli.parse_args(
+            agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]))
+
+
+def test_agentflow_missing_and_malformed_data_files(tmp_path):
+    model = tiny_planner(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
+    for data, message in [("missing.jsonl", "not a file"), ("bad.jsonl", "bad.jsonl:1")]:
+        with pytest.raises(SystemExit, match=message):
+            agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, [
+                "--quiet", "--out-dir", str(tmp_path), "--preset", "full", "--model", str(model),
+                "--lora-rank", "4", "--data", str(tmp_path / data)]))

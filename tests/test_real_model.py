@@ -59,8 +59,9 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_and_warms_up_per_rollout_batch
     """The full path with two mini-batches and `--warmup-steps 2`: the learning rate is 0 through
     the whole first rollout batch (so even its second mini-batch is still on-policy), then rises
     per batch, and the second mini-batch of a batch at lr > 0 is off-policy. Peak memory is bounded
-    by the micro-batch budget (the property test in test_first_contact); at this size RSS varies by
-    ±100 MiB between runs, more than one micro-batch's activations, so it is not compared here."""
+    by the micro-batch budget (the property test in test_precision_and_budgets); at this size RSS
+    varies by ±100 MiB between runs, more than one micro-batch's activations, so it is not compared
+    here."""
     flags = flowrl_flags(4)
     warm_up = ["--steps", "3", "--warmup-steps", "2", "--lr", "1e-4"]
     small = run(flags[0], tmp_path / "g4", *flags[1:], *warm_up)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentflow
 import flowrl
+import rc_grpo
 from envs import flowrl_tasks
 from utils import cli, tracking
 
@@ -156,6 +158,45 @@ def test_a_resumed_flowrl_run_does_not_evaluate_its_start_again(tmp_path, monkey
     resumed = flowrl.train(cli.parse_args(flowrl.Args, flowrl.PRESETS, [*flags, "--resume"]))
     assert len(calls) == 3  # the end only
     assert resumed["before"] == fresh["before"]
+
+
+@pytest.mark.long
+def test_a_resumed_agentflow_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
+    """The start's evaluation and its shown rollout are saved with the checkpoint: resuming reads
+    them back instead of evaluating the trained planner as the start."""
+    calls = []
+    evaluate = agentflow.evaluate
+    monkeypatch.setattr(
+        agentflow, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1",
+             "--warm-start-steps", "20", "--no-ablation", "--quiet", "--out-dir", str(tmp_path)]
+    fresh = agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, flags))
+    shown = (tmp_path / "rollouts.txt").read_text()
+    assert len(calls) == 2  # the start, and the last step's
+    resumed = agentflow.train(
+        cli.parse_args(agentflow.Args, agentflow.PRESETS, [*flags, "--resume"]))
+    assert len(calls) == 3  # the end only: the finished run evaluates its weights anew
+    assert resumed["accuracy_before"] == fresh["accuracy_before"]
+    assert (tmp_path / "rollouts.txt").read_text().split("after training:")[0] == \
+        shown.split("after training:")[0]
+
+
+@pytest.mark.long
+def test_a_resumed_rc_grpo_run_does_not_run_stage_1_again(tmp_path, monkeypatch):
+    """Stage 1 is saved (out_dir/stage1.safetensors): a resumed run loads it and runs no
+    supervised fine-tuning, and ends with the stage-1 accuracies of the first run."""
+    flags = ["--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60", "--toy-test-tasks",
+             "4", "--tasks-per-step", "4", "--failure-rollouts", "1", "--save-every", "1",
+             "--quiet", "--out-dir", str(tmp_path)]
+    first = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, flags))
+    calls = []
+    finetune = rc_grpo.supervised_finetune
+    monkeypatch.setattr(rc_grpo, "supervised_finetune",
+                        lambda *a, **k: calls.append(1) or finetune(*a, **k))
+    resumed = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [*flags, "--resume"]))
+    assert calls == []
+    assert resumed["rctp_accuracy"] == first["rctp_accuracy"]
+    assert resumed["token_gap"] == first["token_gap"]
 
 
 # ------------------------------------------------------------------------------ a sharded run
