@@ -60,5 +60,25 @@ bench: $(VENV)/.installed
 bench-trl: .venv-bench/.installed
 	HF_HUB_OFFLINE=1 .venv-bench/bin/python benchmarks/bench_vs_trl.py
 
+# The GPU machine (benchmarks/gpu_check.sh) has Python 3.12 with torch 2.11.0 (CUDA 13), transformers
+# 5.17.0, accelerate 1.15.0, peft, safetensors, numpy, matplotlib, tensorboard and pytest, and no
+# network. What the scripts import beyond that travels as wheels in .whl/ beside the checkout (all
+# pure Python; the projects' own extra dependencies are not needed, as in $(VENV)/.installed), and
+# the checkout and the wheels must fit the 64 MiB that travel together.
+GPU_WHEELS := diffusers==0.42.1 $(BFCL) math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
+	antlr4-python3-runtime==4.13.2
+CARRY_MIB := 64
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl $(GPU_WHEELS)
+	@ls .whl
+	@checkout=$$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+		| awk '{s += $$1} END {print s}'); wheels=$$(cat .whl/*.whl | wc -c); \
+	awk -v c=$$checkout -v w=$$wheels -v max=$(CARRY_MIB) 'BEGIN { t = (c + w) / 2^20; \
+		printf "checkout %.1f MiB + wheels %.1f MiB = %.1f MiB of %d MiB\n", c / 2^20, w / 2^20, t, max; \
+		if (t > max) { print "error: over the limit: carry less" > "/dev/stderr"; exit 1 } }'
+
 clean:
 	rm -rf runs .pytest_cache

@@ -276,8 +276,12 @@ def main():
         for preset, plan in real_llm_plans().items():
             print(json.dumps({"preset": preset, "planned_peak_gib": plan}))
         return
+    if not args.tiny and not torch.cuda.is_available():  # else the full-size jobs run on the CPU
+        raise SystemExit(
+            f"error: torch {torch.__version__} sees no CUDA GPU: run this on the GPU machine, or "
+            "pass --tiny for the same code at tiny sizes on the CPU")
     device = torch.device("cpu") if args.tiny else distributed.setup_accelerator("auto")[1]
-    for job in (flowrl_job, rc_grpo_job, flow_grpo_job):
+    for job in (flowrl_job, flow_grpo_job, rc_grpo_job):  # the longest last, for a timeout to cut
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.time()

@@ -227,3 +227,20 @@ def test_two_processes_print_one_final_json(tmp_path):
     assert done.stdout.count('"wall_seconds"') == 1
     start = done.stdout.index("{")
     assert json.loads(done.stdout[start:])["wall_seconds"] > 0
+
+
+# ------------------------------------------------------------- the GPU check on a CPU torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA torch runs the full-size jobs")
+@pytest.mark.parametrize("command", [
+    [sys.executable, "benchmarks/gpu_check.py"], ["bash", "benchmarks/gpu_check.sh"]])
+def test_the_gpu_check_on_a_cpu_torch_stops_with_one_line(command):
+    """Without --tiny, a torch that sees no GPU gets one line and a non-zero exit, before any job
+    (the full-size jobs would otherwise start on the CPU and print nothing before the timeout)."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHON": sys.executable})
+    assert done.returncode != 0 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sees no CUDA GPU" in lines[0] and "--tiny" in lines[0]
+
