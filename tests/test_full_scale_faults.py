@@ -244,3 +244,22 @@ def test_the_gpu_check_on_a_cpu_torch_stops_with_one_line(command):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "sees no CUDA GPU" in lines[0] and "--tiny" in lines[0]
 
+
+def test_checkpointing_is_enabled_under_either_transformers_name():
+    """transformers 5.23 names it `activation_checkpointing_enable`, 5.17 (the GPU machine's)
+    `gradient_checkpointing_enable`: either is called, non-reentrant."""
+    from utils import models
+
+    calls = []
+
+    class Old:
+        def gradient_checkpointing_enable(self, kwargs=None):
+            calls.append(("gradient", kwargs))
+
+    class New(Old):
+        def activation_checkpointing_enable(self, kwargs=None):
+            calls.append(("activation", kwargs))
+
+    models.checkpoint_activations(Old())
+    models.checkpoint_activations(New())
+    assert calls == [("gradient", {"use_reentrant": False}), ("activation", {"use_reentrant": False})]

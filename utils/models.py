@@ -70,8 +70,16 @@ def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_po
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        checkpoint_activations(model)
     return clean_generation_config(model)
+
+
+def checkpoint_activations(model):
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant checkpoints):
+    transformers 5.23's `activation_checkpointing_enable`, `gradient_checkpointing_enable` before
+    it (5.17, the GPU machine's)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
 
 
 def smollm2_checkpoint():
@@ -165,7 +173,7 @@ def load_causal_lm(model_id, device, lora_rank=0, lora_alpha=None, gradient_chec
     tokenizer.padding_side = "left"
     clean_generation_config(model)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        checkpoint_activations(model)
     if lora_rank:
         stop_ids = model.stop_ids
         model = add_lora(model, lora_rank, lora_alpha)
