@@ -98,10 +98,13 @@ def kv_bytes_per_token(config, dtype_bytes=2):
 # phase's peak moment, read off MemTracker (`measure`, bf16 autocast) at scaled Qwen2 shapes of
 # I/h = 3.5 and 7 and h = 128 and 256 (the presets' I/h: 5.3 and 5.8), and held by the test at
 # other shapes. "fp32": fp32 master weights under autocast (the residual stream in fp32); "bf16": a
-# bf16 base or FSDP's bf16 gathers; "lora": a bf16 base with LoRA adapters on every linear layer.
-PREFILL_MLP = {"fp32": (6.0, 24.25), "bf16": (6.0, 13.25), "lora": (8.0, 13.25)}  # (× I, × h)
-LAYER_RECOMPUTE = {"fp32": (12.0, 34.0), "bf16": (12.0, 34.0), "lora": (14.0, 40.0)}
-STREAM_BYTES = {"fp32": 4, "bf16": 2, "lora": 2}  # the residual stream's element
+# bf16 base or FSDP's bf16 gathers; "lora", "lora2": a bf16 base with one LoRA adapter, or two
+# stacked (rc_grpo's stage 2), on every linear layer.
+PREFILL_MLP = {"fp32": (6.0, 24.25), "bf16": (6.0, 13.25), "lora": (8.0, 13.25),
+               "lora2": (8.0, 13.25)}  # (× I, × h)
+LAYER_RECOMPUTE = {"fp32": (12.0, 34.0), "bf16": (12.0, 34.0), "lora": (14.0, 38.0),
+                   "lora2": (18.0, 30.6)}
+STREAM_BYTES = {"fp32": 4, "bf16": 2, "lora": 2, "lora2": 2}  # the residual stream's element
 LOGIT_BYTES = 18  # per completion logit: bf16 logits, their fp32 copy, that copy's gradient
 
 
@@ -211,9 +214,10 @@ def lora_plan(config, rank, adapters, *, gen_rows, prompt_tokens, new_tokens, mi
     state = {"base_bf16": 2 * params, "adapters": 4 * trained * adapters, "grads": 4 * trained,
              "adam": 8 * trained, "autocast_weights": 2 * trained}
     positions = completion_positions or micro_batch_tokens
+    kind = "lora2" if adapters == 2 else "lora"
     return {
-        "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "lora"),
-        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, "lora")}
+        "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, kind),
+        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, kind)}
 
 
 def in_gib(parts):
