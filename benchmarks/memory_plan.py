@@ -284,6 +284,7 @@ def prompts_of(lengths):
 
 
 def completions_of(lengths, vocab, seed=0):
+    """Completions (token id lists) of the given lengths, random ids past the special tokens."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in lengths]
 
@@ -366,7 +367,8 @@ def lora_update_step(model, batches):
 
 
 def measure_full(config, shape):
-    """flowrl --preset full's phases on one process, tracked: {phase: (peak, parts)}."""
+    """flowrl --preset full's phases on one process, tracked and set beside `full_plan`
+    (`compared`)."""
     import flowrl
     from utils import models
 
@@ -391,7 +393,7 @@ def measure_full(config, shape):
 
 def measure_lora(config, shape, rank, adapters):
     """rc_grpo --preset bfcl's (two stacked adapters) or agentflow --preset full's (one) phases:
-    a bf16 base as `models.load_causal_lm` loads it on a GPU, fp32 adapters."""
+    a bf16 base as `models.load_causal_lm` loads it on a GPU, fp32 adapters; beside `lora_plan`."""
     from utils import models
 
     tokenizer = models.make_tokenizer(WORDS)
