@@ -263,3 +263,36 @@ def test_checkpointing_is_enabled_under_either_transformers_name():
     models.checkpoint_activations(Old())
     models.checkpoint_activations(New())
     assert calls == [("gradient", {"use_reentrant": False}), ("activation", {"use_reentrant": False})]
+
+# ------------------------------------------------------------------------- FSDP's root unit
+
+
+def _forward_after_a_rollout(rank, port, out):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from utils import models
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = distributed.shard(models.tiny_causal_lm(64, seed=0), bf16=False)
+    ids = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(0))
+    with distributed.unsharded(model):  # the rollout
+        model(input_ids=ids)
+    model(input_ids=ids)  # the update's forward
+    if rank == 0:
+        root, layer = model.model.embed_tokens.weight, model.model.layers[0].mlp.up_proj.weight
+        sharded = {"root": isinstance(root, DTensor), "layer": isinstance(layer, DTensor)}
+        Path(out).write_text(json.dumps(sharded))
+    dist.destroy_process_group()
+
+
+def test_after_a_rollout_the_root_unit_stays_gathered_for_the_backward(tmp_path):
+    """Two gloo ranks, FSDP2: after `unsharded` (the rollout), a forward leaves the decoder layers
+    resharded (sharded parameters) and the root unit (embeddings, LM head) gathered for the
+    backward that follows, as fully_shard sets the root; resharded, it is gathered again there."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "kinds.json"
+    mp.spawn(_forward_after_a_rollout, args=(free_port(), str(out)), nprocs=2)
+    assert json.loads(out.read_text()) == {"root": False, "layer": True}
+

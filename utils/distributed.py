@@ -183,6 +183,7 @@ class unsharded:
         from torch.distributed.fsdp import FSDPModule
 
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.root = model
 
     def __enter__(self):
         for unit in self.units:
@@ -192,7 +193,9 @@ class unsharded:
     def __exit__(self, *exc):
         for unit in self.units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            # fully_shard's defaults back: the layers reshard after forward, the root (embeddings,
+            # LM head) does not, as the backward needs it at once
+            unit.set_reshard_after_forward(unit is not self.root, recurse=False)
 
 
 def micro_batches(model, minibatch, autocast):
