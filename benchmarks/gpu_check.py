@@ -15,10 +15,12 @@ device (a word- or letter-level tokenizer, text encoders of one layer), so nothi
 Each job names what it cuts from the preset (fewer prompts per step: the same micro-batch and
 sequence shapes); evaluation is skipped or cut to a few prompts.
 
-Figures: rollout and update tokens/s (images/s for SD3), the update's MFU (6·N FLOPs per trained
-token for a full fine-tune, 4·N under LoRA: a frozen base computes no weight gradients; attention
-and recomputation left out; over peak bf16 FLOP/s), flowrl's decode bandwidth (bf16 weights read
-once per new token: one `generate` call per step at this batch), peak GPU memory against the plan.
+Figures: rollout and update tokens/s (images/s for SD3), the update's MFU (`update_flops`: the
+decoder layers' matmul weights for every token read, the LM head for completion positions only, no
+embedding; 6 FLOPs per weight and token for a full fine-tune, 4 under LoRA: a frozen base
+computes no weight gradients; attention and recomputation left out; over peak bf16 FLOP/s),
+flowrl's decode bandwidth (bf16 weights read once per new token: one `generate` call per step at
+this batch), peak GPU memory allocated and reserved (the caching allocator's) against the plan.
 """
 
 import argparse
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
-from memory_plan import full_plan, in_gib, param_counts, preset_plans  # noqa: E402
+from memory_plan import full_plan, in_gib, matmul_params, param_counts, preset_plans  # noqa: E402
 from utils import cli, distributed, models  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -156,28 +158,42 @@ def brightness(images, prompts):
 
 def second_step(script, argv, out_dir, metrics="metrics.jsonl"):
     """Run `script.train` on `argv` parsed as the script does (two steps) → (the second step's
-    logged metrics, out_dir/`metrics`, and the peak GPU memory in GiB)."""
+    logged metrics, out_dir/`metrics`, and the peak GPU memory in GiB: allocated, reserved)."""
     args = cli.parse_args(script.Args, script.PRESETS, [
         *argv, "--save-every", "0", "--quiet", "--overwrite", "--out-dir", str(out_dir)])
     script.train(args)
     lines = (Path(out_dir) / metrics).read_text().splitlines()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    peak = (None, None)
+    if torch.cuda.is_available():
+        peak = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
     return json.loads(lines[-1]), peak
 
 
-def figures(record, peak_gib, params, per_token_flops, device):
-    """Throughput, MFU and peak memory of a logged step (`record`)."""
+def update_flops(config, record, passes, lora):
+    """The update's matmul FLOPs: a multiply-add per decoder-layer linear weight (q and o h×h, k
+    and v h×kv·d, gate/up/down) for every token its forwards read, and per LM-head weight (V×h) for
+    the completion positions only (`passes` over the generated tokens); the embedding is a lookup.
+    ×6 for a full fine-tune (forward, input and weight gradients), ×4 under LoRA."""
+    head = config["vocab_size"] * config["hidden_size"]
+    multiply_adds = (matmul_params(config) * record["tokens_update"]
+                     + head * record["tokens_rollout"] * passes)
+    return (4 if lora else 6) * multiply_adds
+
+
+def figures(record, peak_gib, flops_done, device):
+    """Throughput, MFU (`flops_done`: the update's FLOPs) and peak memory of a logged step
+    (`record`)."""
     flops = peak_flops(device)
     result = {
         "rollout_s": round(record["time_rollout"], 2),
         "prepare_s": round(record["time_prepare"], 2), "update_s": round(record["time_update"], 2),
-        "peak_gpu_gib": round(peak_gib, 2) if peak_gib is not None else None}
+        "peak_gpu_gib": round(peak_gib[0], 2) if peak_gib[0] is not None else None,
+        "peak_reserved_gib": round(peak_gib[1], 2) if peak_gib[1] is not None else None}
     if "tokens_update" in record:
-        update_flops = per_token_flops * params * record["tokens_update"]
         result |= {
             "rollout_tokens_per_s": round(record["tokens_rollout"] / record["time_rollout"], 1),
             "update_tokens_per_s": round(record["tokens_update"] / record["time_update"], 1),
-            "update_mfu": round(update_flops / record["time_update"] / flops, 4) if flops
+            "update_mfu": round(flops_done / record["time_update"] / flops, 4) if flops
             else None}
     return result
 
@@ -203,7 +219,8 @@ def flowrl_job(tiny, device, out_dir):
     params, _ = param_counts(config)
     result = {"job": "flowrl --preset full", "params": params,
               "plan_total_gib": max(in_gib(phase)["total"] for phase in plan.values())}
-    result |= figures(record, peak, params, 6, device)
+    passes = flowrl.PRESETS["full"].get("inner_steps", flowrl.Args.inner_steps)
+    result |= figures(record, peak, update_flops(config, record, passes, lora=False), device)
     decode_steps = record["tokens_rollout"] / 64  # one generate call: rows share the length
     result["decode_gb_per_s"] = round(2 * params * decode_steps / record["time_rollout"] / 1e9, 1)
     return result
@@ -226,7 +243,7 @@ def rc_grpo_job(tiny, device, out_dir):
             rc_grpo, argv, Path(out_dir) / "run", metrics="rctp+rc-grpo/metrics.jsonl")
     params, _ = param_counts(config)
     return {"job": "rc_grpo --preset bfcl", "params": params} | figures(
-        record, peak, params, 4, device)
+        record, peak, update_flops(config, record, 1, lora=True), device)
 
 
 def flow_grpo_job(tiny, device, out_dir):
@@ -246,7 +263,7 @@ def flow_grpo_job(tiny, device, out_dir):
         record, peak = second_step(flow_grpo, argv, Path(out_dir) / "run")
     images = 2 * 8
     result = {"job": "flow_grpo --preset sd3", "images": images} | figures(
-        record, peak, None, 0, device)
+        record, peak, None, device)
     result["rollout_images_per_s"] = round(images / record["time_rollout"], 3)
     result["update_images_per_s"] = round(images / record["time_update"], 3)
     return result

@@ -262,7 +262,9 @@ def test_checkpointing_is_enabled_under_either_transformers_name():
 
     models.checkpoint_activations(Old())
     models.checkpoint_activations(New())
-    assert calls == [("gradient", {"use_reentrant": False}), ("activation", {"use_reentrant": False})]
+    non_reentrant = {"use_reentrant": False}
+    assert calls == [("gradient", non_reentrant), ("activation", non_reentrant)]
+
 
 # ------------------------------------------------------------------------- FSDP's root unit
 
@@ -296,3 +298,20 @@ def test_after_a_rollout_the_root_unit_stays_gathered_for_the_backward(tmp_path)
     mp.spawn(_forward_after_a_rollout, args=(free_port(), str(out)), nprocs=2)
     assert json.loads(out.read_text()) == {"root": False, "layer": True}
 
+
+def test_the_update_flops_count_matmul_weights_and_the_lm_head_on_completions_only():
+    """Qwen2.5-7B (h 3 584, 28 layers, 4 KV heads of 128, I 18 944, V 152 064): per layer q and o
+    h², k and v h·512, the MLP 3·h·I, by hand; the LM head only for the 100 completion tokens, the
+    embedding never; ×6 for a full fine-tune, ×4 under LoRA."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    config = gpu_check.QWEN["qwen2.5-7b"]
+    h, inter, vocab = 3584, 18944, 152064
+    per_layer = 2 * h * h + 2 * h * 512 + 3 * h * inter
+    record = {"tokens_update": 1_000, "tokens_rollout": 100}
+    expected = 28 * per_layer * 1_000 + vocab * h * 100
+    assert gpu_check.update_flops(config, record, 1, lora=False) == 6 * expected
+    assert gpu_check.update_flops(config, record, 1, lora=True) == 4 * expected
+    assert gpu_check.update_flops(config, record, 2, lora=True) == 4 * (
+        expected + vocab * h * 100)
