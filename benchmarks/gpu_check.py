@@ -42,7 +42,10 @@ import rc_grpo  # noqa: E402
 from memory_plan import full_plan, in_gib, matmul_params, param_counts, preset_plans  # noqa: E402
 from utils import cli, distributed, models  # noqa: E402
 
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peaks (NVIDIA's datasheets halve their sparsity figures), by a part of the
+# name torch reports, the more specific first: the PCIe and NVL cards clock lower than the SXM ones.
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12,
+                   "H100": 989e12, "A100": 312e12}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
     "qwen2.5-1.5b": dict(
         hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,

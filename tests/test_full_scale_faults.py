@@ -315,3 +315,18 @@ def test_the_update_flops_count_matmul_weights_and_the_lm_head_on_completions_on
     assert gpu_check.update_flops(config, record, 1, lora=True) == 4 * expected
     assert gpu_check.update_flops(config, record, 2, lora=True) == 4 * (
         expected + vocab * h * 100)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA L4", None)])
+def test_the_mfu_divides_by_the_peak_of_the_exact_gpu_model(monkeypatch, name, peak):
+    """The PCIe and NVL cards get their own (lower) dense bf16 peak, not the SXM card's."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert gpu_check.peak_flops(SimpleNamespace(type="cuda")) == peak
