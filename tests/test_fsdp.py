@@ -56,7 +56,8 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
     flags = ["flowrl", "--preset", "full", "--model", "smollm2", "--data", MATH, "--algo", "grpo",
              "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
              "--max-new-tokens", "6", "--micro-batch-tokens", "120", "--lr", "1e-5",
-             "--eval-every", "100", "--save-every", "0", "--mixed-precision", "fp32"]
+             "--warmup-steps", "0", "--eval-every", "100", "--save-every", "0",
+             "--mixed-precision", "fp32"]
     _, initial = models.load_causal_lm("smollm2", torch.device("cpu"))
     assert_same_training(tmp_path, flags, initial)
 
