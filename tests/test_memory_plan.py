@@ -17,6 +17,7 @@ def checks():
     return memory_plan.scaled_checks()  # about 25 s of CPU: one process, two gloo ranks
 
 
+@pytest.mark.long
 def test_every_phase_is_planned_within_15_percent_of_the_tracked_peak(checks):
     """flowrl full (rollout, update) at two shapes, full-7b under --fsdp on 2 gloo ranks (load,
     rollout, update), rc_grpo bfcl's two adapters and agentflow full's one (rollout, update),
@@ -27,6 +28,7 @@ def test_every_phase_is_planned_within_15_percent_of_the_tracked_peak(checks):
     assert all(0.85 <= ratio <= 1.15 for ratio in rows.values()), rows
 
 
+@pytest.mark.long
 def test_a_plan_without_the_unsharded_fsdp_gradients_misses_by_more_than_15_percent(checks):
     """The test can fail: the old plan had no term for the fp32 gradients FSDP2 keeps unsharded
     while gradient sync is off; at the FSDP shape the corrected plan without that term falls
