@@ -336,3 +336,20 @@ def test_the_mfu_divides_by_the_peak_of_the_exact_gpu_model(monkeypatch, name, p
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert gpu_check.peak_flops(SimpleNamespace(type="cuda")) == peak
+
+
+def test_the_gpu_check_neither_merges_nor_writes_the_policy(tmp_path):
+    """Inside the check's jobs a policy's `save_pretrained` writes nothing and `merged_fp32` makes
+    no fp32 copy (rc_grpo's would be a 30.5 GB write and the job's peak); outside, both work."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    from utils import models
+
+    model = models.tiny_causal_lm(32)
+    with gpu_check.no_policy_written():
+        assert models.merged_fp32(model) is model
+        model.save_pretrained(tmp_path / "inside")
+    assert not (tmp_path / "inside").exists()
+    model.save_pretrained(tmp_path / "outside")
+    assert (tmp_path / "outside" / "config.json").exists()
