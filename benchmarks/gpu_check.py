@@ -19,8 +19,8 @@ Figures: rollout and update tokens/s (images/s for SD3), the update's MFU (`upda
 decoder layers' matmul weights for every token read, the LM head for completion positions only, no
 embedding; 6 FLOPs per weight and token for a full fine-tune, 4 under LoRA: a frozen base
 computes no weight gradients; attention and recomputation left out; over peak bf16 FLOP/s),
-flowrl's decode bandwidth (bf16 weights read once per new token: one `generate` call per step at
-this batch), peak GPU memory allocated and reserved (the caching allocator's) against the plan.
+flowrl's decode bandwidth (`decode_bytes`: bf16 weights read once per decode step, and every
+row's KV cache so far: one `generate` call per step at this batch), peak GPU memory allocated and reserved (the caching allocator's) against the plan.
 """
 
 import argparse
@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
-from memory_plan import full_plan, in_gib, matmul_params, param_counts, preset_plans  # noqa: E402
+from memory_plan import (  # noqa: E402
+    full_plan, in_gib, kv_bytes_per_token, matmul_params, param_counts, preset_plans)
 from utils import cli, distributed, models  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets halve their sparsity figures), by a part of the
@@ -200,6 +201,13 @@ def update_flops(config, record, passes, lora):
     return (4 if lora else 6) * multiply_adds
 
 
+def decode_bytes(config, params, rows, prompt_tokens, steps):
+    """Bytes one `generate` call reads from memory over `steps` decode steps of `rows` rows: the
+    bf16 weights once per step, and at step t every row's KV cache of prompt_tokens + t tokens."""
+    kv_tokens = rows * (prompt_tokens * steps + steps * (steps - 1) / 2)
+    return 2 * params * steps + kv_bytes_per_token(config) * kv_tokens
+
+
 def figures(record, peak_gib, flops_done, device):
     """Throughput, MFU (`flops_done`: the update's FLOPs) and peak memory of a logged step
     (`record`)."""
@@ -242,7 +250,8 @@ def flowrl_job(tiny, device, out_dir):
     passes = flowrl.PRESETS["full"].get("inner_steps", flowrl.Args.inner_steps)
     result |= figures(record, peak, update_flops(config, record, passes, lora=False), device)
     decode_steps = record["tokens_rollout"] / 64  # one generate call: rows share the length
-    result["decode_gb_per_s"] = round(2 * params * decode_steps / record["time_rollout"] / 1e9, 1)
+    read = decode_bytes(config, params, 64, prompt_words + 10, decode_steps)
+    result["decode_gb_per_s"] = round(read / record["time_rollout"] / 1e9, 1)
     return result
 
 

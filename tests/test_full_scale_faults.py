@@ -353,3 +353,14 @@ def test_the_gpu_check_neither_merges_nor_writes_the_policy(tmp_path):
     assert not (tmp_path / "inside").exists()
     model.save_pretrained(tmp_path / "outside")
     assert (tmp_path / "outside" / "config.json").exists()
+
+
+def test_the_decode_bandwidth_counts_the_kv_cache_it_reads():
+    """Qwen2.5-1.5B (28 layers, K and V 256 wide, bf16: 28 672 bytes a token), 64 rows of 266
+    prompt tokens, 3 decode steps: the weights 3 times, and 64 × (266 + 267 + 268) cached tokens."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    config, params = gpu_check.QWEN["qwen2.5-1.5b"], 1_000
+    expected = 2 * params * 3 + 28 * 2 * 256 * 2 * 64 * (266 + 267 + 268)
+    assert gpu_check.decode_bytes(config, params, 64, 266, 3) == expected
