@@ -120,8 +120,8 @@ class Args:
     steps: int = cli.arg(300, "rollout batches")
     sampling: str = cli.arg(
         "replacement",
-        "replacement: each rollout batch draws B prompts uniformly (the toys); shuffle: passes over "
-        "the prompts in a fresh random order, each prompt once per pass, a last partial batch "
+        "replacement: each rollout batch draws B prompts uniformly (the toys); shuffle: passes "
+        "over the prompts in a fresh random order, each prompt once per pass, a last partial batch "
         "dropped (the original's loader)",
         ["replacement", "shuffle"])
     total_epochs: int = cli.arg(

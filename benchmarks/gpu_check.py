@@ -20,7 +20,8 @@ decoder layers' matmul weights for every token read, the LM head for completion 
 embedding; 6 FLOPs per weight and token for a full fine-tune, 4 under LoRA: a frozen base
 computes no weight gradients; attention and recomputation left out; over peak bf16 FLOP/s),
 flowrl's decode bandwidth (`decode_bytes`: bf16 weights read once per decode step, and every
-row's KV cache so far: one `generate` call per step at this batch), peak GPU memory allocated and reserved (the caching allocator's) against the plan.
+row's KV cache so far: one `generate` call per step at this batch), peak GPU memory allocated
+and reserved (the caching allocator's) against the plan.
 """
 
 import argparse
