@@ -375,11 +375,11 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
     return out
 
 
-def sampler_gap(batches):
+def sampler_gap(micro_batches):
     """max_t |log π_old - log π_sampler| over a step's micro-batches: how far the trainer's
     forward is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
     return max((((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item()
-                for mb in batches), default=0.0)
+                for mb in micro_batches), default=0.0)
 
 
 def check_finite(value, step, what="loss"):
