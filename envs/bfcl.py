@@ -117,8 +117,8 @@ def _literal(node):
 
 
 def parse_calls(text):
-    """`[f(a=1), g('x', b=[2])]` → [(name, args, kwargs), ...], parsed with `ast`, literal arguments
-    only.
+    """`[f(a=1), g('x', b=[2])]` → [(name, positional, kwargs), ...], parsed with `ast`, literal
+    arguments only.
 
     A bare single call `f(a=1)` is accepted too. Names must be plain identifiers without a leading
     underscore; attribute access, nested calls, names, comprehensions, lambdas, arithmetic and
@@ -139,7 +139,8 @@ def parse_calls(text):
 
 
 def _parse_call(call):
-    """One `ast.Call` of a plain, public name with literal arguments → (name, args, kwargs)."""
+    """One `ast.Call` of a plain, public name with literal arguments → (name, positional,
+    kwargs)."""
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
         raise ValueError(f"a {type(call).__name__} is not a call of a plain function name")
     name = call.func.id
@@ -154,11 +155,10 @@ def _parse_call(call):
         {k.arg: _literal(k.value) for k in call.keywords})
 
 
-def format_call(name, args, kwargs):
+def format_call(name, positional, kwargs):
     """The inverse of parse_calls for one call, in the ground truth's style: f('x', k=1)."""
-    return (
-        f"{name}({', '.join([repr(a) for a in args] + [f'{k}={v!r}' for k, v in kwargs.items()])})"
-    )
+    written = [repr(a) for a in positional] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(written)})"
 
 
 class BFCLEnv:
@@ -199,13 +199,13 @@ class BFCLEnv:
         are callable throughout, as in the official harness: only their descriptions wait for their
         turn. Over the time limit → an error observation; the rollout goes on."""
         results = []
-        for name, args, kwargs in calls:
+        for name, positional, kwargs in calls:
             if name not in self.methods:
                 results.append(f"Error during execution: function {name!r} is not available")
             elif name in self.stateless:
-                results.append(run_forked(self.methods[name], args, kwargs))
+                results.append(run_forked(self.methods[name], positional, kwargs))
             else:
-                results.append(run_timed(self.methods[name], args, kwargs))
+                results.append(run_timed(self.methods[name], positional, kwargs))
         return results
 
     def state(self):
@@ -215,13 +215,13 @@ class BFCLEnv:
             for cls, inst in self.instances.items()
         }
 
-    def bound_arguments(self, name, args, kwargs):
+    def bound_arguments(self, name, positional, kwargs):
         """{parameter: value} for a call, so positional and keyword spellings compare equal."""
         method = self.methods.get(name)
         try:
-            return dict(inspect.signature(method).bind(*args, **kwargs).arguments)
+            return dict(inspect.signature(method).bind(*positional, **kwargs).arguments)
         except (TypeError, ValueError, AttributeError):
-            return {**{f"#{i}": a for i, a in enumerate(args)}, **kwargs}
+            return {**{f"#{i}": a for i, a in enumerate(positional)}, **kwargs}
 
 
 CALL_SECONDS = 2.0  # per backend call
@@ -242,7 +242,7 @@ def format_result(out):
     return out if isinstance(out, str) else str(out)
 
 
-def run_timed(method, args, kwargs):
+def run_timed(method, positional, kwargs):
     """Call a stateful backend method here, interrupted by SIGALRM after CALL_SECONDS (main thread
     only)."""
     timed = threading.current_thread() is threading.main_thread()
@@ -254,7 +254,7 @@ def run_timed(method, args, kwargs):
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, CALL_SECONDS)
     try:
-        return format_result(method(*args, **kwargs))
+        return format_result(method(*positional, **kwargs))
     except Exception as err:  # a backend error is an observation for the model, never a crash
         return f"Error during execution: {format_result(str(err))}"
     finally:
@@ -263,7 +263,7 @@ def run_timed(method, args, kwargs):
             signal.signal(signal.SIGALRM, previous)
 
 
-def run_forked(method, args, kwargs):
+def run_forked(method, positional, kwargs):
     """Call a stateless backend method in a forked child, killed after CALL_SECONDS; its text comes
     back through a pipe."""
     read_end, write_end = os.pipe()
@@ -271,7 +271,7 @@ def run_forked(method, args, kwargs):
     if pid == 0:  # the child: compute, write, exit without running the parent's cleanup
         os.close(read_end)
         try:
-            text = format_result(method(*args, **kwargs))
+            text = format_result(method(*positional, **kwargs))
         except BaseException as err:
             text = f"Error during execution: {format_result(str(err))}"
         data = text.encode("utf-8", "replace")
@@ -329,8 +329,8 @@ def trajectory_reward(entry, calls_per_turn):
                 continue
     # RC-GRPO's reward R_action: every ground-truth call, matched once
     for calls in entry["ground_truth"]:
-        for name, args, kwargs in (c for call in calls for c in parse_calls(call)):
-            want = truth_env.bound_arguments(name, args, kwargs)
+        for name, positional, kwargs in (c for call in calls for c in parse_calls(call)):
+            want = truth_env.bound_arguments(name, positional, kwargs)
             match = next(
                 (
                     m
