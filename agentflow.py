@@ -555,7 +555,10 @@ def train(args):
     common.seed_everything(args.seed)
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
     tracking.check_out_dir(args.out_dir, args, accelerator)
-    system = (agent_tools.build_full if args.model else agent_toy.build_toy)(args, device)
+    if args.model:  # the base model's modules on --data, the planner with a LoRA adapter
+        system = agent_tools.build_full(args, device)
+    else:  # the toy's rule-based modules and a tiny planner
+        system = agent_toy.build_toy(args, device)
     if args.warm_start_steps:  # DEVIATION 6: the planner first learns the plan's format
         warm_start(system, system.train[: args.warm_start_demos], args)
     out_dir = Path(args.out_dir)
