@@ -436,9 +436,10 @@ class ChatFormat:
         """The user message that brings miss_func's held-out docs on their turn."""
         if self.system_prompt == "bfcl":
             return harness_reveal(docs)
-        from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+        from bfcl_eval.constants import default_prompts
 
-        return json.dumps(docs) + "\n" + DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+        reveal = default_prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+        return json.dumps(docs) + "\n" + reveal
 
     def render(self, messages):
         return self.tokenizer.apply_chat_template(

@@ -324,7 +324,8 @@ def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
         flowrl.rollout_batches(args, 3)
     toy = flowrl.Args()
     drawn = flowrl.draw_prompts(1, 10, toy, torch.Generator().manual_seed(3))
-    expected = torch.randint(10, (toy.prompts_per_step,), generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    expected = torch.randint(10, (toy.prompts_per_step,), generator=generator)
     assert torch.equal(drawn, expected) and flowrl.rollout_batches(toy, 10) == toy.steps
 
 
@@ -333,7 +334,8 @@ def test_full_7b_runs_one_pass_at_the_originals_batch_and_evaluation_cadence(tmp
     assert (args.sampling, args.total_epochs, args.eval_every) == ("shuffle", 1, 5)
     assert args.prompts_per_step == 512 and args.warmup_steps == 10
     # ⌊rows/512⌋, the last partial batch dropped
-    assert flowrl.rollout_batches(args, 34 * 512) == flowrl.rollout_batches(args, 35 * 512 - 1) == 34
+    assert flowrl.rollout_batches(args, 34 * 512) == 34
+    assert flowrl.rollout_batches(args, 35 * 512 - 1) == 34
     # a run's length follows from its prompts: the toy's 4, one pass of B = 2 → 2 rollout batches
     summary = flowrl.train(toy_args(
         tmp_path, "--sampling", "shuffle", "--total-epochs", "1", "--prompts-per-step", "2"))
