@@ -39,8 +39,9 @@ demo-real: $(VENV)/.installed
 	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
 	$(PY) rc_grpo.py --overwrite --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
 
-test: $(VENV)/.installed  # two workers (pytest-xdist), each taking the next test when it is free
-	$(PY) -m pytest -n 2 --dist worksteal
+# Two workers (pytest-xdist), each taking the next test when it is free; the 20 slowest listed.
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --dist worksteal --durations=20
 
 # Before every commit (about two minutes): the equations, properties, bad input, the tool's
 # isolation and style; no training run longer than a few seconds. `make test` before a push.
