@@ -1,8 +1,10 @@
 """The scripts' own training steps at full size on random weights: throughput, memory, MFU.
 
     python benchmarks/gpu_check.py         # on a GPU: flowrl.py --preset full (Qwen2.5-1.5B, full
-                                           # fine-tune), rc_grpo.py --preset bfcl (Qwen2.5-7B +
-                                           # LoRA), flow_grpo.py --preset sd3 (SD3.5-Medium + LoRA)
+                                           # fine-tune), flow_grpo.py --preset sd3 (SD3.5-Medium +
+                                           # LoRA), flowrl.py --preset full-7b's --fsdp path on one
+                                           # rank (Qwen2.5-1.5B), rc_grpo.py --preset bfcl
+                                           # (Qwen2.5-7B + LoRA)
     python benchmarks/gpu_check.py --tiny  # the same calls on CPU, tiny configs (a smoke test)
     python benchmarks/gpu_check.py --plan  # the LLM presets' planned peak memory, by parts
 
@@ -12,22 +14,28 @@ it generated and trained on. The first step is the warm-up (CUDA initialisation,
 selection). Only the weights are not real: `from_pretrained` of transformers and diffusers is
 swapped, for the job's length, for a builder of the published configs with random weights on the
 device (a word- or letter-level tokenizer, text encoders of one layer), so nothing is fetched.
-Each job names what it cuts from the preset (fewer prompts per step: the same micro-batch and
-sequence shapes); evaluation is skipped or cut to a few prompts.
+The LLMs' completions stop at EOS early (`stop_early`) and flowrl's prompts differ in length, so
+generation and the micro-batches pad and attention takes a mask, as on real data. Each job names
+what it cuts from the preset (fewer prompts per step: the same micro-batch and sequence shapes);
+evaluation is skipped or cut to a few prompts. The --fsdp job runs in a process of its own under
+torchrun (one rank: FSDP needs a process group).
 
 Figures: rollout and update tokens/s (images/s for SD3), the update's MFU (`update_flops`: the
 decoder layers' matmul weights for every token read, the LM head for completion positions only, no
 embedding; 6 FLOPs per weight and token for a full fine-tune, 4 under LoRA: a frozen base
 computes no weight gradients; attention and recomputation left out; over peak bf16 FLOP/s),
 flowrl's decode bandwidth (`decode_bytes`: bf16 weights read once per decode step, and every
-row's KV cache so far: one `generate` call per step at this batch), peak GPU memory allocated
-and reserved (the caching allocator's) against the plan.
+row's KV cache so far, padded to the longest prompt: one `generate` call per step at this batch),
+peak GPU memory allocated and reserved (the caching allocator's), for the run and per phase
+(`phase_peaks`), against the plan.
 """
-
 import argparse
 import contextlib
 import gc
 import json
+import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +50,7 @@ import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
 from memory_plan import (  # noqa: E402
     full_plan, in_gib, kv_bytes_per_token, matmul_params, param_counts, preset_plans)
-from utils import cli, distributed, models  # noqa: E402
+from utils import cli, distributed, models, tracking  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets halve their sparsity figures), by a part of the
 # name torch reports, the more specific first: the PCIe and NVL cards clock lower than the SXM ones.
@@ -133,33 +141,61 @@ def sd3_pipeline(parts, device, dtype, folder):
     return pipe.to(dtype)
 
 
+def stop_early(model, eos_id, hazard, counts):
+    """A forward hook on `model`'s LM head: +log(hazard·V) on the EOS logit, so that a random
+    model's near-uniform next token (logits of std ≈ 0.8 at init) is EOS with probability ≈
+    `hazard` at every position, and its completions stop at geometric lengths (a random model
+    never stops otherwise: no padding, no mask). It also counts in counts["decode"] the forwards
+    that produce one position without gradient: a `generate` call's prefill (it keeps the last
+    position's logits) and each decode step, so one call adds its longest completion's length."""
+    bias = math.log(hazard * model.config.vocab_size)
+
+    def hook(module, inputs, logits):
+        logits[..., eos_id] += bias
+        if logits.shape[1] == 1 and not torch.is_grad_enabled():
+            counts["decode"] += 1
+        return logits
+
+    model.get_output_embeddings().register_forward_hook(hook)
+    return model
+
+
 @contextlib.contextmanager
-def random_weights(device, llm=None, sd3=None):
+def random_weights(device, llm=None, sd3=None, eos_hazard=None):
     """For the `with` block, transformers' `from_pretrained` (AutoTokenizer, AutoModelForCausalLM)
     and diffusers' StableDiffusion3Pipeline.from_pretrained build the config `llm` / the parts
-    `sd3` with random weights on `device`, in the dtype the script asks for."""
-    from diffusers import StableDiffusion3Pipeline
+    `sd3` with random weights on `device`, in the dtype the script asks for. With `eos_hazard`,
+    the LLM stops early (`stop_early`); yields the count of its decode forwards. diffusers is
+    imported for `sd3` only (3 s: the --fsdp job's process needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    counts = {"decode": 0}
 
     def causal_lm(path, dtype=torch.float32, **kwargs):
         with device:
-            return AutoModelForCausalLM.from_config(Qwen2Config(**llm), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**llm), dtype=dtype)
+        if eos_hazard:
+            model = stop_early(model, word_tokenizer().eos_token_id, eos_hazard, counts)
+        return model
 
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         patch = lambda owner, builder: stack.enter_context(
             mock.patch.object(owner, "from_pretrained", builder))
         patch(AutoTokenizer, lambda *args, **kwargs: word_tokenizer())
         patch(AutoModelForCausalLM, causal_lm)
-        patch(StableDiffusion3Pipeline,
-              lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder))
-        yield
+        if sd3:
+            from diffusers import StableDiffusion3Pipeline
+
+            patch(StableDiffusion3Pipeline,
+                  lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder))
+        yield counts
 
 
 @contextlib.contextmanager
 def no_policy_written():
     """The runs' trained policy is neither merged nor written at their end (rc_grpo: the 7B merged
-    into fp32, 30.5 GB; flowrl: 6 GB): the check measures the steps, and the merge would set the
-    job's peak memory."""
+    into fp32, 30.5 GB; flowrl: 6 GB; --fsdp's gather of the whole model to rank 0's CPU): the
+    check measures the steps, and the merge would set the job's peak memory."""
     from peft import PeftModel
     from transformers import PreTrainedModel
 
@@ -167,9 +203,46 @@ def no_policy_written():
         return None
 
     with mock.patch.object(models, "merged_fp32", lambda model: model), \
+            mock.patch.object(distributed, "full_weights", lambda model: None), \
             mock.patch.object(PreTrainedModel, "save_pretrained", skip), \
             mock.patch.object(PeftModel, "save_pretrained", skip):
         yield
+
+
+@contextlib.contextmanager
+def phase_peaks(device, counts=None):
+    """For the `with` block, every phase a script times (tracking.Phases: rollout, prepare,
+    update) also reads the GPU's peak memory over it, allocated and reserved in GiB: yields
+    {phase: [allocated, reserved]}, the largest over the run's steps, with "run" for the whole run
+    (between the phases too: building, evaluation). With `counts` (random_weights'), the
+    one-position forwards of the last rollout phase are kept under "decode_steps" (flowrl's one
+    `generate` call per step: its longest completion). On a CPU: no peaks."""
+    cuda, timed = device.type == "cuda", tracking.Phases.time
+    peaks = {"run": [0.0, 0.0]} if cuda else {}
+
+    def fold(name):
+        read = [torch.cuda.max_memory_allocated(device) / 2**30,
+                torch.cuda.max_memory_reserved(device) / 2**30]
+        for key in (name, "run"):
+            peaks[key] = [max(a, b) for a, b in zip(peaks.get(key, [0.0, 0.0]), read)]
+        torch.cuda.reset_peak_memory_stats(device)
+
+    @contextlib.contextmanager
+    def time(self, name):
+        if cuda:
+            fold("run")
+        decoded = counts["decode"] if counts else 0
+        with timed(self, name):
+            yield
+        if cuda:
+            fold(name)
+        if counts and name == "rollout":
+            peaks["decode_steps"] = counts["decode"] - decoded
+
+    with mock.patch.object(tracking.Phases, "time", time):
+        yield peaks
+    if cuda:
+        fold("run")
 
 
 def brightness(images, prompts):
@@ -178,17 +251,15 @@ def brightness(images, prompts):
     return images.float().mean(dim=(1, 2, 3))
 
 
-def second_step(script, argv, out_dir, metrics="metrics.jsonl"):
+def second_step(script, argv, out_dir, device, metrics="metrics.jsonl", counts=None):
     """Run `script.train` on `argv` parsed as the script does (two steps) → (the second step's
-    logged metrics, out_dir/`metrics`, and the peak GPU memory in GiB: allocated, reserved)."""
+    logged metrics, out_dir/`metrics`, and `phase_peaks`' record)."""
     args = cli.parse_args(script.Args, script.PRESETS, [
         *argv, "--save-every", "0", "--quiet", "--overwrite", "--out-dir", str(out_dir)])
-    script.train(args)
+    with phase_peaks(device, counts) as peaks:
+        script.train(args)
     lines = (Path(out_dir) / metrics).read_text().splitlines()
-    peak = (None, None)
-    if torch.cuda.is_available():
-        peak = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
-    return json.loads(lines[-1]), peak
+    return json.loads(lines[-1]), peaks
 
 
 def update_flops(config, record, passes, lora):
@@ -209,15 +280,18 @@ def decode_bytes(config, params, rows, prompt_tokens, steps):
     return 2 * params * steps + kv_bytes_per_token(config) * kv_tokens
 
 
-def figures(record, peak_gib, flops_done, device):
-    """Throughput, MFU (`flops_done`: the update's FLOPs) and peak memory of a logged step
-    (`record`)."""
+def figures(record, peaks, flops_done, device):
+    """Throughput, MFU (`flops_done`: the update's FLOPs) and peak memory (`phase_peaks`': the
+    run's, and [allocated, reserved] per phase) of a logged step (`record`)."""
     flops = peak_flops(device)
+    run = peaks.get("run", [None, None])
     result = {
         "rollout_s": round(record["time_rollout"], 2),
         "prepare_s": round(record["time_prepare"], 2), "update_s": round(record["time_update"], 2),
-        "peak_gpu_gib": round(peak_gib[0], 2) if peak_gib[0] is not None else None,
-        "peak_reserved_gib": round(peak_gib[1], 2) if peak_gib[1] is not None else None}
+        "peak_gpu_gib": round(run[0], 2) if run[0] is not None else None,
+        "peak_reserved_gib": round(run[1], 2) if run[1] is not None else None,
+        "phase_peak_gib": {phase: [round(gib, 2) for gib in peak] for phase, peak in peaks.items()
+                           if phase not in ("run", "decode_steps")}}
     if "tokens_update" in record:
         result |= {
             "rollout_tokens_per_s": round(record["tokens_rollout"] / record["time_rollout"], 1),
@@ -227,53 +301,121 @@ def figures(record, peak_gib, flops_done, device):
     return result
 
 
+def prompt_file(folder, lengths):
+    """A --data file of math-style rows whose prompts are `lengths` words long (WORDS in turn)."""
+    data = Path(folder) / "prompts.jsonl"
+    words = WORDS * (max(lengths) // len(WORDS) + 1)
+    data.write_text("".join(json.dumps({"prompt": " ".join(words[i : i + n]), "answer": "1"})
+                            + "\n" for i, n in enumerate(lengths)))
+    return data
+
+
+def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
+    """flowrl.py --preset `preset` on 8 prompts × G 8 in 4 mini-batches (`fsdp`: 6 × G 8 in one,
+    so that a mini-batch of ≈ 20k tokens spans several 16 384-token micro-batches) whose lengths
+    spread geometrically from 64 to 512 words (math prompts' spread: one `generate` call left-pads
+    them and the packed micro-batches pad, so SDPA gets a mask), a random Qwen2.5-1.5B whose
+    completions stop at EOS with a hazard of ln 4 / max_new_tokens per token (about a quarter run
+    to the limit) → the job's figures."""
+    config, new_tokens, rows, minibatches = QWEN["qwen2.5-1.5b"], 1024, 8, 4
+    if fsdp:
+        new_tokens, rows, minibatches = 256, 6, 1
+    lengths = [round(64 * 8 ** (i / (rows - 1))) for i in range(rows)]
+    extra = ["--max-new-tokens", str(new_tokens)]
+    if tiny:
+        config, new_tokens = QWEN["tiny"], 8
+        lengths = [n // 16 for n in lengths]
+        extra = ["--max-new-tokens", "8", "--micro-batch-tokens", "128", "--device", "cpu"]
+    data = prompt_file(out_dir, lengths)
+    argv = ["--preset", preset, "--model", "qwen2.5-1.5b", "--data", str(data), "--steps", "2",
+            "--total-epochs", "0", "--prompts-per-step", str(rows), "--minibatches",
+            str(minibatches), "--eval-every", "1000", *extra]
+    micro_batch_tokens = flowrl.PRESETS[preset]["micro_batch_tokens"]
+    units, original = [], distributed.shard  # FSDP units per sharded model (the policy, π_ref)
+
+    def shard(model, bf16):
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = original(model, bf16)
+        units.append(sum(isinstance(m, FSDPModule) for m in model.modules()))
+        return sharded
+
+    with random_weights(device, llm=config, eos_hazard=math.log(4) / new_tokens) as counts, \
+            no_policy_written(), mock.patch.object(flowrl.distributed, "shard", shard):
+        record, peaks = second_step(flowrl, argv, Path(out_dir) / "run", device, counts=counts)
+    params, _ = param_counts(config)
+    result = {"job": f"flowrl --preset {preset}" + (" --fsdp on 1 rank" if fsdp else ""),
+              "params": params, "prompt_words": [min(lengths), max(lengths)], "fsdp_units": units,
+              "max_new_tokens": new_tokens}
+    if not fsdp:
+        plan = full_plan(config, gen_rows=8 * rows, prompt_tokens=max(lengths) + 10,
+                         new_tokens=new_tokens, micro_batch_tokens=micro_batch_tokens)
+        result["plan_total_gib"] = max(in_gib(phase)["total"] for phase in plan.values())
+    passes = flowrl.PRESETS[preset].get("inner_steps", flowrl.Args.inner_steps)
+    result |= figures(record, peaks, update_flops(config, record, passes, lora=False), device)
+    decode_steps = peaks["decode_steps"]
+    result["mean_completion_tokens"] = round(record["tokens_rollout"] / (8 * rows), 1)
+    result["decode_steps"] = decode_steps  # the longest completion: one generate call
+    padded_prompt = max(lengths) + 10  # left-padded to the longest, + the chat template's words
+    read = decode_bytes(config, params, 8 * rows, padded_prompt, decode_steps)
+    result["decode_gb_per_s"] = round(read / record["time_rollout"] / 1e9, 1)
+    return result
+
+
 def flowrl_job(tiny, device, out_dir):
     """flowrl.py --preset full (Qwen2.5-1.5B, full fine-tune, 1024 new tokens, micro-batches of
     8192 tokens, checkpointing) at 8 prompts × G 8 in 4 mini-batches of 16 rows (the preset: 32
-    prompts in 16 of 16), prompts of 256 words."""
-    config, prompt_words, extra = QWEN["qwen2.5-1.5b"], 256, []
-    if tiny:
-        config, prompt_words = QWEN["tiny"], 16
-        extra = ["--max-new-tokens", "8", "--micro-batch-tokens", "128", "--device", "cpu"]
-    data = Path(out_dir) / "prompts.jsonl"
-    words = (WORDS * prompt_words)[:prompt_words]
-    data.write_text("".join(json.dumps({"prompt": " ".join(words[i:] + words[:i]), "answer": "1"})
-                            + "\n" for i in range(8)))
-    argv = ["--preset", "full", "--model", "qwen2.5-1.5b", "--data", str(data), "--steps", "2",
-            "--prompts-per-step", "8", "--minibatches", "4", "--eval-every", "1000", *extra]
-    plan = full_plan(config, gen_rows=64, prompt_tokens=prompt_words + 10, new_tokens=1024,
-                     micro_batch_tokens=8192)
-    with random_weights(device, llm=config), no_policy_written():
-        record, peak = second_step(flowrl, argv, Path(out_dir) / "run")
-    params, _ = param_counts(config)
-    result = {"job": "flowrl --preset full", "params": params,
-              "plan_total_gib": max(in_gib(phase)["total"] for phase in plan.values())}
-    passes = flowrl.PRESETS["full"].get("inner_steps", flowrl.Args.inner_steps)
-    result |= figures(record, peak, update_flops(config, record, passes, lora=False), device)
-    decode_steps = record["tokens_rollout"] / 64  # one generate call: rows share the length
-    read = decode_bytes(config, params, 64, prompt_words + 10, decode_steps)
-    result["decode_gb_per_s"] = round(read / record["time_rollout"] / 1e9, 1)
-    return result
+    prompts in 16 of 16): `flowrl_run`."""
+    return flowrl_run(tiny, device, out_dir, "full")
+
+
+def flowrl_fsdp_job(tiny, device, out_dir):
+    """flowrl.py --preset full-7b's path (--fsdp: fully_shard per layer and on the root, bf16
+    compute over fp32 shards, `unsharded` generation, `distributed.micro_batches` with gradient
+    sync on a mini-batch's last micro-batch, micro-batches of 16 384 tokens) on one rank, in a
+    process of its own under torchrun: the 7B does not fit one GPU unsharded (its fp32 weights,
+    gradients and AdamW alone are 122 GB), so Qwen2.5-1.5B, 6 prompts × G 8 in one mini-batch,
+    256 new tokens (the preset: 512 prompts in 16 mini-batches, 8192). One rank's collectives are
+    local: this checks FSDP2's code path, streams and memory on a GPU, not the interconnect."""
+    if os.environ.get("WORLD_SIZE") != "1":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "1", __file__, "--fsdp-job", *(["--tiny"] if tiny else [])]
+        try:  # a failure is the job's line, and rc_grpo's job still runs
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return {"job": "flowrl --preset full-7b --fsdp on 1 rank", "error": "over 300 s"}
+        rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not rows:
+            return {"job": "flowrl --preset full-7b --fsdp on 1 rank",
+                    "error": done.stderr[-2000:]}
+        return json.loads(rows[-1])
+    return flowrl_run(tiny, device, out_dir, "full-7b", fsdp=True)
 
 
 def rc_grpo_job(tiny, device, out_dir):
     """rc_grpo.py --preset bfcl (Qwen2.5-7B + LoRA r 64, the real BFCL v4 entries with bfcl-eval's
     system prompt and every function's docs; stage 1, stage 2; the policy not saved) on 2
-    train and 2 test tasks, their first user turn, one RCTP-FT epoch, 2 tasks per step (the
-    preset: 16)."""
-    config, extra = QWEN["qwen2.5-7b"], []
+    train and 2 test tasks, their first two user turns (the second turn's prompts hold the first
+    turn's exchange: a history of model steps), one RCTP-FT epoch, 2 tasks per step (the preset:
+    16 and every turn). The random model calls no function, so each turn is one model step (the
+    preset's: up to 20); its 10 rows of ≈ 3k words per `generate` call stay far below the preset's
+    262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions stop at EOS
+    with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL answer is a call
+    list of tens of tokens; an assumption, not measured on the real model), so a `generate` call
+    runs until its longest row stops."""
+    config, new_tokens, extra = QWEN["qwen2.5-7b"], rc_grpo.PRESETS["bfcl"]["max_new_tokens"], []
     if tiny:
-        config = QWEN["tiny"]
+        config, new_tokens = QWEN["tiny"], 8
         extra = ["--max-new-tokens", "8", "--max-steps", "2", "--docs", "needed",
                  "--system-prompt", "short", "--device", "cpu"]
-    argv = ["--preset", "bfcl", "--model", "qwen2.5-7b", "--max-tasks", "2", "--max-turns", "1",
+    argv = ["--preset", "bfcl", "--model", "qwen2.5-7b", "--max-tasks", "2", "--max-turns", "2",
             "--steps", "2", "--tasks-per-step", "2", "--rctp-epochs", "1", *extra]
-    with random_weights(device, llm=config), no_policy_written():
-        record, peak = second_step(
-            rc_grpo, argv, Path(out_dir) / "run", metrics="rctp+rc-grpo/metrics.jsonl")
+    with random_weights(device, llm=config, eos_hazard=8 / new_tokens), no_policy_written():
+        record, peaks = second_step(
+            rc_grpo, argv, Path(out_dir) / "run", device, metrics="rctp+rc-grpo/metrics.jsonl")
     params, _ = param_counts(config)
     return {"job": "rc_grpo --preset bfcl", "params": params} | figures(
-        record, peak, update_flops(config, record, 1, lora=True), device)
+        record, peaks, update_flops(config, record, 1, lora=True), device)
 
 
 def flow_grpo_job(tiny, device, out_dir):
@@ -290,10 +432,10 @@ def flow_grpo_job(tiny, device, out_dir):
             "--prompts", str(prompts), "--eval-prompts", str(prompts), "--epochs", "2",
             "--prompts-per-epoch", "2", "--eval-every", "1000", *extra]
     with random_weights(device, sd3=parts):
-        record, peak = second_step(flow_grpo, argv, Path(out_dir) / "run")
+        record, peaks = second_step(flow_grpo, argv, Path(out_dir) / "run", device)
     images = 2 * 8
     result = {"job": "flow_grpo --preset sd3", "images": images} | figures(
-        record, peak, None, device)
+        record, peaks, None, device)
     result["rollout_images_per_s"] = round(images / record["time_rollout"], 3)
     result["update_images_per_s"] = round(images / record["time_update"], 3)
     return result
@@ -318,6 +460,7 @@ def main():
         "--tiny", action="store_true", help="tiny configs on CPU: checks the code, not the hardware"
     )
     parser.add_argument("--plan", action="store_true", help="print the LLM presets' planned peaks")
+    parser.add_argument("--fsdp-job", action="store_true", help=argparse.SUPPRESS)  # torchrun's
     args = parser.parse_args()
     if args.plan:
         for preset, plan in real_llm_plans().items():
@@ -328,7 +471,10 @@ def main():
             f"error: torch {torch.__version__} sees no CUDA GPU: run this on the GPU machine, or "
             "pass --tiny for the same code at tiny sizes on the CPU")
     device = torch.device("cpu") if args.tiny else distributed.setup_accelerator("auto")[1]
-    for job in (flowrl_job, flow_grpo_job, rc_grpo_job):  # the longest last, for a timeout to cut
+    jobs = (flowrl_job, flow_grpo_job, flowrl_fsdp_job, rc_grpo_job)  # the longest last
+    if args.fsdp_job:  # flowrl_fsdp_job's own process, one rank under torchrun
+        jobs = (flowrl_fsdp_job,)
+    for job in jobs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.time()

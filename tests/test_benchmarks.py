@@ -18,20 +18,69 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.long
 def test_gpu_check_runs_each_scripts_own_train_with_tiny_configs_on_cpu():
     """A smoke test: each job's figures are read from the step its script logged (phase seconds,
-    token counts): flowrl's, flow_grpo's and rc_grpo's own `train`, their presets, random weights.
-    It runs, in that order, and reports every figure (their values are the GPU's to judge)."""
+    token counts): flowrl's (one process, and --fsdp on one rank under torchrun), flow_grpo's and
+    rc_grpo's own `train`, their presets, random weights. It runs, in that order, and reports every
+    figure (their values are the GPU's to judge). The flowrl jobs pad: their prompts differ in
+    length and their completions stop early on average while the longest runs to the limit (the
+    generate call's decode steps); the --fsdp job shards every decoder layer and the root of both
+    the policy and π_ref."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"], cwd=ROOT,
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["job"] for r in rows] == [  # the longest last, for a timeout to cut
-        "flowrl --preset full", "flow_grpo --preset sd3", "rc_grpo --preset bfcl"]
+        "flowrl --preset full", "flow_grpo --preset sd3",
+        "flowrl --preset full-7b --fsdp on 1 rank", "rc_grpo --preset bfcl"]
     tokens = ["rollout_s", "update_s", "rollout_tokens_per_s", "update_tokens_per_s"]
     figures = [tokens, ["rollout_s", "update_s", "rollout_images_per_s", "update_images_per_s"],
-               tokens]
+               tokens, tokens]
     for row, keys in zip(rows, figures):
-        assert all(math.isfinite(row[key]) for key in keys), row
+        assert "error" not in row and all(math.isfinite(row[key]) for key in keys), row
+    layers = 2  # gpu_check's tiny config
+    for row in (rows[0], rows[2]):
+        shortest, longest = row["prompt_words"]
+        assert shortest < longest, row
+        assert row["mean_completion_tokens"] < row["max_new_tokens"] == row["decode_steps"], row
+    assert rows[0]["fsdp_units"] == [] and rows[2]["fsdp_units"] == [layers + 1] * 2, rows
+
+
+def test_gpu_check_reads_the_peak_of_each_phase_and_of_the_whole_run(monkeypatch):
+    """phase_peaks over a fake CUDA allocator (GiB: 1 resident, then per step a rollout of +3 and
+    an update of +2, freed after; an evaluation of +5 between the steps; reserved = 2 × allocated):
+    each phase's peak is the largest over the steps (rollout 4, update 3), the run's includes what
+    ran outside the phases (6), and the one-position forwards of the last rollout are counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+
+    import gpu_check
+    from utils import tracking
+
+    gib, memory = 2**30, {"now": 0, "peak": 0}
+
+    def allocate(n):
+        memory["now"] += n * gib
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: memory["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 2 * memory["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device: memory.update(peak=memory["now"]))
+    counts = {"decode": 0}
+    with gpu_check.phase_peaks(torch.device("cuda"), counts) as peaks:
+        allocate(1)
+        phases = tracking.Phases()
+        for step, rollout in enumerate([3, 1]):
+            with phases.time("rollout"):
+                allocate(rollout)
+                counts["decode"] += 7 + step
+                allocate(-rollout)
+            with phases.time("update"):
+                allocate(2)
+                allocate(-2)
+            allocate(5)
+            allocate(-5)
+    assert peaks == {"run": [6, 12], "rollout": [4, 8], "update": [3, 6], "decode_steps": 8}
 
 
 def test_gpu_check_plans_every_full_scale_llm_preset_within_one_h200():

@@ -158,7 +158,7 @@ def shard(model, bf16):
     reference) is first cast to bf16 when `bf16`: it is only ever read."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
+    if not torch.distributed.is_initialized():  # one rank under a launcher is allowed (gpu_check)
         raise SystemExit("error: --fsdp shards over several processes: start it with "
                          "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N`")
     frozen = not any(p.requires_grad for p in model.parameters())
