@@ -79,7 +79,6 @@ import common
 from envs import digits, sd3
 from utils import cli, distributed, sweep, tracking
 
-
 # -------------------------------------------------------------------------------------------- args
 
 

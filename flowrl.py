@@ -95,7 +95,6 @@ import common
 from envs import flowrl_tasks
 from utils import cli, distributed, sweep, tracking
 
-
 # -------------------------------------------------------------------------------------------- args
 
 

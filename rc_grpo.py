@@ -90,7 +90,6 @@ import common
 from envs import bfcl, bfcl_toy
 from utils import cli, distributed, models, sweep, tracking
 
-
 # -------------------------------------------------------------------------------------------- args
 
 

@@ -49,7 +49,13 @@ import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import rc_grpo  # noqa: E402
 from memory_plan import (  # noqa: E402
-    full_plan, in_gib, kv_bytes_per_token, matmul_params, param_counts, preset_plans)
+    full_plan,
+    in_gib,
+    kv_bytes_per_token,
+    matmul_params,
+    param_counts,
+    preset_plans,
+)
 from utils import cli, distributed, models, tracking  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets halve their sparsity figures), by a part of the
@@ -116,8 +122,11 @@ def sd3_pipeline(parts, device, dtype, folder):
     """A StableDiffusion3Pipeline of `parts` (SD3), random weights on `device` in `dtype`: two CLIP
     text encoders and a T5 of one layer each, at the widths the transformer reads."""
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-        StableDiffusion3Pipeline)
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = models.letter_clip_tokenizer(folder)

@@ -121,8 +121,9 @@ class ToolSystem:
         call): what the question asks and which skills and tools would help. Written by the frozen
         model, so it is never a trained turn."""
         return self.frozen([
-            f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\nAnalyse the question in "
-            "two sentences: what it asks, and which skills and tools would help." for q in queries],
+            f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\n"
+            "Analyse the question in two sentences: what it asks, and which skills and tools would "
+            "help." for q in queries],
             "analysis")
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
@@ -185,7 +186,7 @@ class ToolSystem:
         with ThreadPoolExecutor(max_workers=PYTHON_WORKERS) as pool:  # the turn's programs at once
             ran = iter(list(pool.map(self.run_python, programs)))
         results = []
-        for (query, tool, goal, _), command in zip(calls, commands):
+        for (_, tool, _, _), command in zip(calls, commands):
             if tool == "python":
                 results.append((command, *next(ran)))
             elif tool == "retrieve":

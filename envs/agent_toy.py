@@ -11,7 +11,6 @@ import random
 
 from utils import models, tracking
 
-
 ATTRIBUTES = ["population", "area", "height", "age"]
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import common
 from utils import distributed, models
 
-
 CATEGORIES = ["base", "long_context", "miss_func", "miss_param"]
 SHORT_SYSTEM_PROMPT = (  # the laptop preset's shortened paraphrase of bfcl-eval's system prompt
     "You are an expert in composing functions. Based on the question, make one or "
@@ -409,7 +408,8 @@ def harness_reveal(docs):
     """The user message bfcl-eval's harness sends a prompting model on a miss_func turn: the
     held-out docs as Python writes the list, then its "I have updated some more functions…"."""
     from bfcl_eval.constants.default_prompts import (
-        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING)
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
+    )
 
     return DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(functions=docs)
 

@@ -10,7 +10,6 @@ import re
 from envs import bfcl
 from utils import models
 
-
 TOY_FILES = ["report.txt", "notes.md", "data.csv", "todo.txt", "draft.doc"]
 TOY_DIRS = ["docs", "work", "temp", "misc"]
 

@@ -20,7 +20,6 @@ import torch
 import common
 from utils import cli, distributed, models, tracking
 
-
 SYMBOLS = list("abcd")
 TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
 VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0

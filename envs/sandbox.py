@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 # Isolation by allow-list, through bubblewrap (`bwrap`, the sandbox behind Flatpak; the Makefile
 # installs it where the machine allows). Each call gets new mount, PID, network, IPC, UTS and
 # cgroup namespaces and a new session. Its host uid is never 0 nor one that owns anything: a root

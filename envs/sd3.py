@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from utils import cli
 
-
 SD3_LORA_TARGETS = [
     "attn.to_q",
     "attn.to_k",
@@ -36,11 +35,8 @@ def clip_reward(name, override, device):
     """r(image, prompt) = exp(logit_scale)·cos(f_img, f_txt) / divisor with a transformers
     CLIPModel; images go through CLIP's own image processor as uint8 (resize with antialias, centre
     crop), as official."""
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessorPil as CLIPImageProcessor,
-        CLIPModel,
-    )  # PIL: no torchvision
+    from transformers import AutoTokenizer, CLIPModel
+    from transformers import CLIPImageProcessorPil as CLIPImageProcessor  # PIL: no torchvision
 
     model_id, processor_id, divisor = CLIP_REWARDS[name]
     model_id, processor_id = (override, override) if override else (model_id, processor_id)

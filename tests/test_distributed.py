@@ -157,8 +157,9 @@ def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
 
 
 def _average_on_rank(rank, port, out):
-    import torch.distributed as dist
     from types import SimpleNamespace
+
+    import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]

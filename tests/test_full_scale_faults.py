@@ -343,7 +343,6 @@ def test_the_gpu_check_neither_merges_nor_writes_the_policy(tmp_path):
     no fp32 copy (rc_grpo's would be a 30.5 GB write and the job's peak); outside, both work."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
-
     from utils import models
 
     model = models.tiny_causal_lm(32)

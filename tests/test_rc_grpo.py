@@ -257,7 +257,8 @@ def test_full_scale_prompt_is_what_bfcl_evals_harness_sends_on_every_entry(entri
     import copy
 
     from bfcl_eval.constants.default_prompts import (
-        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING)
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
+    )
     from bfcl_eval.utils import load_dataset_entry
 
     harness = bfcl_harness(monkeypatch)

@@ -24,7 +24,7 @@ def parse_seeds(text):
             seeds = [int(part) for part in text.split(",")]
     except ValueError:
         raise SystemExit(
-            f"error: --seeds takes a range like 0-4 or a list like 1,3,7 (got {text!r})")
+            f"error: --seeds takes a range like 0-4 or a list like 1,3,7 (got {text!r})") from None
     if not seeds or min(seeds) < 0:
         raise SystemExit(f"error: --seeds gives no non-negative seed (got {text!r})")
     if max(seeds) > cli.SEED_MAX:

@@ -19,7 +19,6 @@ import torch
 
 from utils import distributed
 
-
 RUN_FILES = (  # a run is in the folder
     "metrics.jsonl", "summary.json", "checkpoint.safetensors", "stage1.safetensors")
 FLAT_STEPS = 3  # steps in a row whose groups all have equal rewards before a run says so
@@ -256,7 +255,10 @@ def trained_tensors(modules, optimizers):
         states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
     else:
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(box, options=options)
@@ -345,7 +347,10 @@ def load_training_state(path, modules, optimizers, generators):
             optimizer.load_state_dict(sd)
             continue
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
