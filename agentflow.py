@@ -113,13 +113,16 @@ class Args:
     group_size: int = cli.arg(8, "G rollouts per query (paper: 8)")
     inner_steps: int = cli.arg(2, "epochs over each batch (one optimiser step per mini-batch)")
     minibatch_rows: int = cli.arg(
-        0, "turn rows per optimiser step over all ranks, shuffled (π_old fixed; 0 = the whole "
-        "batch; original: 64)")
+        0,
+        "turn rows per optimiser step over all ranks, shuffled (π_old fixed; 0 = the whole "
+        "batch; original: 64)",
+    )
     max_turns: int = cli.arg(3, "planner turns per rollout in training (paper: 3)")
     eval_max_turns: int = cli.arg(10, "planner turns at evaluation (paper: 10)")
     max_new_tokens: int = cli.arg(4, "planner output cap per turn")
     temperature: float = cli.arg(
-        1.0, "rollout temperature (original code: 0.7; the paper's text: 0.5); eval is greedy")
+        1.0, "rollout temperature (original code: 0.7; the paper's text: 0.5); eval is greedy"
+    )
     clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (original code: 0.2)")
     clip_eps_high: float = cli.arg(0.3, "ε_high (original code: 0.3)")
     dual_clip: float = cli.arg(0.0, "cap the loss at c·|A| where A < 0 (0 = off; original: 3)")
@@ -129,7 +132,8 @@ class Args:
     credit: str = cli.arg(
         "broadcast",
         "broadcast: every turn carries A_i (Flow-GRPO); final-turn: only the last turn is trained",
-        ["broadcast", "final-turn"])
+        ["broadcast", "final-turn"],
+    )
     group_norm: str = cli.arg(
         "trajectory",
         "trajectory: normalise over the G rewards (paper); "
@@ -139,36 +143,48 @@ class Args:
     ablation: bool = cli.arg(True, "also train --credit final-turn from the same start")
     warm_start_demos: int = cli.arg(200, "training queries demonstrated in the warm start")
     warm_start_steps: int = cli.arg(
-        400, "supervised steps of the planner's warm start (0 = none; the full preset: none)")
+        400, "supervised steps of the planner's warm start (0 = none; the full preset: none)"
+    )
     warm_start_lr: float = cli.arg(3e-3, "learning rate of the warm start")
     careless: float = cli.arg(
-        0.7, "share of careless demonstrations in the warm start (toy: the second lookup repeats "
-        "the first attribute; full scale: `generate`, the rest python and retrieve in turn)")
+        0.7,
+        "share of careless demonstrations in the warm start (toy: the second lookup repeats "
+        "the first attribute; full scale: `generate`, the rest python and retrieve in turn)",
+    )
     lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
     micro_batch_tokens: int = cli.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
+        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
+    )
     gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
     gen_tokens: int = cli.arg(
-        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows "
-        "only)")
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows only)"
+    )
     gradient_checkpointing: bool = cli.arg(
-        False, "recompute activations in the backward pass (full preset: on)")
+        False, "recompute activations in the backward pass (full preset: on)"
+    )
     mixed_precision: str = cli.arg(
-        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
-        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
+        "auto",
+        "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32",
+        ["auto", "bf16", "fp32"],
+    )
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     tool_timeout: float = cli.arg(10.0, "Python tool timeout in seconds")
     unsafe_python_tool: bool = cli.arg(
-        False, "run the Python tool WITHOUT OS isolation where bubblewrap cannot isolate it "
-        "(otherwise the tool is disabled there): model-written code then runs as you")
+        False,
+        "run the Python tool WITHOUT OS isolation where bubblewrap cannot isolate it "
+        "(otherwise the tool is disabled there): model-written code then runs as you",
+    )
     eval_every: int = cli.arg(20, "steps between held-out evaluations")
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: both credit arms per seed, one table")
     out_dir: str = cli.arg("runs/agentflow", "output folder")
     device: str = cli.arg(
-        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"])
+        "auto",
+        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"],
+    )
     quiet: bool = cli.arg(False, "no per-step lines or progress bar")
     report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
@@ -176,30 +192,63 @@ class Args:
     save_every: int = cli.arg(20, "steps between checkpoints (0 = never)")
     resume: bool = cli.arg(False, "continue each arm from its checkpoint.safetensors")
     overwrite: bool = cli.arg(
-        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
-        "run is refused)")
+        False,
+        "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)",
+    )
 
 
 # The original recipe, each value beside the original one in docs/agentflow.md (DEVIATION 5).
 PRESETS = {
     "full": dict(
-        model="Qwen/Qwen2.5-7B-Instruct", steps=100, queries_per_step=32, group_size=8,
-        inner_steps=1, minibatch_rows=64, max_new_tokens=2048, temperature=0.7, lr=1e-5,
-        weight_decay=0.01, dual_clip=3.0, lora_rank=64, ablation=False, eval_every=25,
-        micro_batch_tokens=16384, gen_batch=64, gen_tokens=262144, gradient_checkpointing=True,
-        warm_start_steps=0),
+        model="Qwen/Qwen2.5-7B-Instruct",
+        steps=100,
+        queries_per_step=32,
+        group_size=8,
+        inner_steps=1,
+        minibatch_rows=64,
+        max_new_tokens=2048,
+        temperature=0.7,
+        lr=1e-5,
+        weight_decay=0.01,
+        dual_clip=3.0,
+        lora_rank=64,
+        ablation=False,
+        eval_every=25,
+        micro_batch_tokens=16384,
+        gen_batch=64,
+        gen_tokens=262144,
+        gradient_checkpointing=True,
+        warm_start_steps=0,
+    ),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
     # what, for fictional people whose one-line records only the retrieval tool can find. The whole
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
     # from demonstrations (DEVIATION 6): half careless ones that ask `generate`, two retrieve. β 0:
     # the reference (adapter off) never writes the plan's format, so a KL to it pulls out of it.
     "smollm2-lookup": dict(
-        model="smollm2", data=str(DATA / "people_train.jsonl"),
-        eval_data=str(DATA / "people_test.jsonl"), corpus=str(DATA / "people_corpus.jsonl"),
-        steps=8, queries_per_step=3, group_size=4, inner_steps=1, max_turns=2, eval_max_turns=2,
-        max_new_tokens=24, temperature=0.7, lr=2e-4, beta=0.0, lora_rank=16, eval_every=1000,
-        careless=0.5, warm_start_demos=8, warm_start_steps=20, warm_start_lr=1e-3,
-        micro_batch_tokens=1024),
+        model="smollm2",
+        data=str(DATA / "people_train.jsonl"),
+        eval_data=str(DATA / "people_test.jsonl"),
+        corpus=str(DATA / "people_corpus.jsonl"),
+        steps=8,
+        queries_per_step=3,
+        group_size=4,
+        inner_steps=1,
+        max_turns=2,
+        eval_max_turns=2,
+        max_new_tokens=24,
+        temperature=0.7,
+        lr=2e-4,
+        beta=0.0,
+        lora_rank=16,
+        eval_every=1000,
+        careless=0.5,
+        warm_start_demos=8,
+        warm_start_steps=20,
+        warm_start_lr=1e-3,
+        micro_batch_tokens=1024,
+    ),
 }
 
 
@@ -260,7 +309,8 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, to
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
         "kl": common.masked_mean(kl, mask).item(),
-        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item()}
+        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item(),
+    }
     return loss, stats
 
 
@@ -288,8 +338,16 @@ class Memory:
     entries: list = dataclasses.field(default_factory=list)
 
     def add(self, tool, subgoal, command, result, ok):
-        self.entries.append({"step": len(self.entries) + 1, "tool": tool, "subgoal": subgoal,
-                             "command": command, "result": result, "ok": ok})
+        self.entries.append(
+            {
+                "step": len(self.entries) + 1,
+                "tool": tool,
+                "subgoal": subgoal,
+                "command": command,
+                "result": result,
+                "ok": ok,
+            }
+        )
 
 
 def run_agent(queries, system, plan, max_turns):
@@ -306,13 +364,16 @@ def run_agent(queries, system, plan, max_turns):
     for turn in range(max_turns):
         if not active:
             break
-        prompts = [system.planner_prompt(queries[i], memories[i], analyses[i], turn + 1, max_turns)
-                   for i in active]
+        prompts = [
+            system.planner_prompt(queries[i], memories[i], analyses[i], turn + 1, max_turns)
+            for i in active
+        ]
         outputs = plan(prompts)
         calls = []
         for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             trajectories[i]["turns"].append(
-                {"prompt": prompt, "ids": ids, "old_logp": logp, "text": text})
+                {"prompt": prompt, "ids": ids, "old_logp": logp, "text": text}
+            )
             try:
                 tool, subgoal = system.parse_plan(text)
                 calls.append((i, tool, subgoal))
@@ -329,8 +390,10 @@ def run_agent(queries, system, plan, max_turns):
     answers = system.generate([(q, m) for q, m in zip(queries, memories)])
     for trajectory, memory, answer in zip(trajectories, memories, answers):
         trajectory |= {
-            "memory": memory, "answer": answer,
-            "reward": float(system.judge(trajectory["query"], answer))}
+            "memory": memory,
+            "answer": answer,
+            "reward": float(system.judge(trajectory["query"], answer)),
+        }
     return trajectories
 
 
@@ -340,8 +403,15 @@ def run_agent(queries, system, plan, max_turns):
 def planner_sampler(system, temperature, args):
     """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
     return lambda prompts: common.sample_completions(
-        system.planner, system.tokenizer, prompts, args.max_new_tokens, temperature=temperature,
-        batch_rows=args.gen_batch, token_budget=args.gen_tokens, precision=args.mixed_precision)
+        system.planner,
+        system.tokenizer,
+        prompts,
+        args.max_new_tokens,
+        temperature=temperature,
+        batch_rows=args.gen_batch,
+        token_budget=args.gen_tokens,
+        precision=args.mixed_precision,
+    )
 
 
 def warm_start(system, demos, args):
@@ -349,17 +419,22 @@ def warm_start(system, demos, args):
     and the careless demonstrator's habit (`system.demonstrations`), so RL has something to fix."""
     tokenizer, planner = system.tokenizer, system.planner
     pairs = system.demonstrations(
-        demos, random.Random(args.seed), args.careless, Memory, args.max_turns)
+        demos, random.Random(args.seed), args.careless, Memory, args.max_turns
+    )
     gen = torch.Generator().manual_seed(args.seed)
-    optimizer = torch.optim.AdamW([p for p in planner.parameters() if p.requires_grad],
-                                  lr=args.warm_start_lr)
+    optimizer = torch.optim.AdamW(
+        [p for p in planner.parameters() if p.requires_grad], lr=args.warm_start_lr
+    )
     planner.train()
     for _ in range(args.warm_start_steps):
-        batch = [pairs[k] for k in torch.randint(len(pairs), (min(32, len(pairs)),),
-                                                 generator=gen).tolist()]
+        batch = [
+            pairs[k]
+            for k in torch.randint(len(pairs), (min(32, len(pairs)),), generator=gen).tolist()
+        ]
         completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
         ids, attn, mask = common.pack_completions(
-            tokenizer, [p for p, _ in batch], completions, planner.device)
+            tokenizer, [p for p, _ in batch], completions, planner.device
+        )
         logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
         loss = -common.masked_mean(logp, mask)
         optimizer.zero_grad()
@@ -379,14 +454,18 @@ def evaluate(system, queries, args, accelerator=None):
     trajectories = []
     if mine:
         trajectories = run_agent(
-            mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns)
-    my_numbers = [(t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries])
-                  for t in trajectories]
+            mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns
+        )
+    my_numbers = [
+        (t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries]) for t in trajectories
+    ]
     numbers = gather_object(my_numbers) if world > 1 else my_numbers
     oks = [ok for _, _, entry_oks in numbers for ok in entry_oks]
-    return {"accuracy": sum(r for r, _, _ in numbers) / len(numbers),
-            "mean_turns": sum(turns for _, turns, _ in numbers) / len(numbers),
-            "tool_error_rate": oks.count(False) / max(1, len(oks))}, trajectories
+    return {
+        "accuracy": sum(r for r, _, _ in numbers) / len(numbers),
+        "mean_turns": sum(turns for _, turns, _ in numbers) / len(numbers),
+        "tool_error_rate": oks.count(False) / max(1, len(oks)),
+    }, trajectories
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -434,8 +513,14 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     plan = planner_sampler(system, args.temperature, args)
     # π_old (where samples are reused) and π_ref scored once per rollout batch
     scoring = common.Scoring(
-        tokenizer, args.micro_batch_tokens, device, model=planner, reference=reference,
-        temperature=args.temperature, precision=args.mixed_precision)
+        tokenizer,
+        args.micro_batch_tokens,
+        device,
+        model=planner,
+        reference=reference,
+        temperature=args.temperature,
+        precision=args.mixed_precision,
+    )
     clip = Clip(low=args.clip_eps, high=args.clip_eps_high, dual=args.dual_clip)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(
@@ -470,7 +555,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         rewards = torch.tensor([t["reward"] for t in trajectories])
         turns = [len(t["turns"]) for t in trajectories]
         turn_advantages = broadcast_advantages(
-            rewards, turns, args.group_size, mode=args.group_norm)  # (Σ T_i,)
+            rewards, turns, args.group_size, mode=args.group_norm
+        )  # (Σ T_i,)
         planner_turns = [turn for t in trajectories for turn in t["turns"]]
         every_turn = list(zip(planner_turns, turn_advantages.tolist()))  # (turn, A_i) pairs
         trained_turns = every_turn
@@ -487,13 +573,21 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
         minibatch_rows = turn_minibatches(
-            len(trained_turns), args, step=step, accelerator=accelerator)
+            len(trained_turns), args, step=step, accelerator=accelerator
+        )
         # else on-policy: π_old = logp.detach()
         reused = args.inner_steps > 1 or len(minibatch_rows) > 1
         minibatches = [
-            common.scored_micro_batches(prompts, completions, sampler_logps=sampler_logps,
-                                        scoring=scoring, rows=rows, with_old=reused)
-            for rows in minibatch_rows]
+            common.scored_micro_batches(
+                prompts,
+                completions,
+                sampler_logps=sampler_logps,
+                scoring=scoring,
+                rows=rows,
+                with_old=reused,
+            )
+            for rows in minibatch_rows
+        ]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
@@ -508,7 +602,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                 completion_len = mask.shape[1]
                 with autocast:
                     logp = common.completion_logprobs(  # (B, W)
-                        planner, ids, attn, completion_len, temperature=args.temperature)
+                        planner, ids, attn, completion_len, temperature=args.temperature
+                    )
                 if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                     mb.old_logp = logp.detach()
                 loss, stats = flow_grpo_loss(
@@ -573,24 +668,41 @@ def train(args):
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
     sampler_dev, run, last_eval = train_arm(
-        args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text})
+        args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
+    )
     # the last step's evaluation is of the trained weights (a resumed, finished run evaluates anew)
     after, after_rollouts = last_eval or (
-        evaluate(system, test, args, accelerator) if test else ({}, []))
-    summary = {f"{k}_before": v for k, v in before.items()} | {
-        f"{k}_after": v for k, v in after.items()} | {
-        "accuracy_before": before.get("accuracy"), "accuracy_after": after.get("accuracy"),
-        "mean_turns": after.get("mean_turns"), "tool_error_rate": after.get("tool_error_rate"),
-        "credit": args.credit, "sampler_logprob_max_dev": sampler_dev,
-        # the gate on the start: the warm-started planner's sampled success in step 1
-        "start_reward": run.records[0]["reward"] if run.records else None}
+        evaluate(system, test, args, accelerator) if test else ({}, [])
+    )
+    summary = (
+        {f"{k}_before": v for k, v in before.items()}
+        | {f"{k}_after": v for k, v in after.items()}
+        | {
+            "accuracy_before": before.get("accuracy"),
+            "accuracy_after": after.get("accuracy"),
+            "mean_turns": after.get("mean_turns"),
+            "tool_error_rate": after.get("tool_error_rate"),
+            "credit": args.credit,
+            "sampler_logprob_max_dev": sampler_dev,
+            # the gate on the start: the warm-started planner's sampled success in step 1
+            "start_reward": run.records[0]["reward"] if run.records else None,
+        }
+    )
     if test:  # the row of `make demo`'s table, and one rollout before and after
-        summary["claim"] = {"text": "AgentFlow planner: held-out accuracy goes up",
-                            "before": before["accuracy"], "after": after["accuracy"]}
+        summary["claim"] = {
+            "text": "AgentFlow planner: held-out accuracy goes up",
+            "before": before["accuracy"],
+            "after": after["accuracy"],
+        }
         if accelerator.is_main_process:  # rank 0 holds the first query's rollouts
-            shown = "\n".join([
-                "before training:", before_text,
-                "after training:", agent_tools.format_rollout(after_rollouts[0])])
+            shown = "\n".join(
+                [
+                    "before training:",
+                    before_text,
+                    "after training:",
+                    agent_tools.format_rollout(after_rollouts[0]),
+                ]
+            )
             (out_dir / "rollouts.txt").write_text(shown + "\n")
             if not args.quiet:
                 print(shown)
@@ -608,11 +720,24 @@ def train(args):
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:
             agent_toy.plot_accuracy_comparison(
-                before["accuracy"], run.records, ablation.records, name=args.credit,
-                other=other, path=out_dir / "credit.png")
-    return run.finish(summary, [
-        ("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
-        ("turns.png", ["mean_turns", "eval_mean_turns"], "agentflow: planner turns per rollout")])
+                before["accuracy"],
+                run.records,
+                ablation.records,
+                name=args.credit,
+                other=other,
+                path=out_dir / "credit.png",
+            )
+    return run.finish(
+        summary,
+        [
+            ("accuracy.png", ["eval_accuracy", "reward"], "agentflow: accuracy"),
+            (
+                "turns.png",
+                ["mean_turns", "eval_mean_turns"],
+                "agentflow: planner turns per rollout",
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":
@@ -620,7 +745,8 @@ if __name__ == "__main__":
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(
-            train, args, [("", {})], agent_toy.sweep_row, agent_toy.claim_holds, sweep_dir)
+            train, args, [("", {})], agent_toy.sweep_row, agent_toy.claim_holds, sweep_dir
+        )
     else:
         summary = train(args)
         if distributed.is_rank_zero():  # one final JSON, not one per rank

@@ -94,17 +94,23 @@ def completion_logprobs_and_hidden(model, input_ids, attention_mask, completion_
     """(log π (B, W) as `completion_logprobs` scores it, the last layer's hidden states (B, L, H))
     of one forward pass: what FlowRL's log Z head reads besides the log-probs."""
     logp, out = completion_forward(
-        model, input_ids, attention_mask, completion_len, output_hidden_states=True)
+        model, input_ids, attention_mask, completion_len, output_hidden_states=True
+    )
     return logp, out.hidden_states[-1]
 
 
-def completion_forward(model, input_ids, attention_mask, completion_len, temperature=1.0,
-                       output_hidden_states=False):
+def completion_forward(
+    model, input_ids, attention_mask, completion_len, temperature=1.0, output_hidden_states=False
+):
     """One forward pass → (the completion's log-probs (B, W), the model's output)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        logits_to_keep=completion_len + 1, output_hidden_states=output_hidden_states)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_len + 1,
+        output_hidden_states=output_hidden_states,
+    )
     logits = out.logits[:, :-1]  # position j scores token j + 1
     if temperature != 1.0:
         logits = logits / temperature
@@ -126,9 +132,15 @@ def generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos
 
     sampling = dict(temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(  # explicit pad/EOS: nothing else comes from the checkpoint
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0, repetition_penalty=1.0,
-        num_beams=1, eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **sampling)
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        repetition_penalty=1.0,
+        num_beams=1,
+        eos_token_id=eos_token_ids(model, tokenizer) if stop_at_eos else None,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **sampling,
+    )
 
 
 class SampledLogprobs:
@@ -148,8 +160,9 @@ class SampledLogprobs:
         scores = scores / self.temperature
         self.last = torch.log_softmax(scores.float(), dim=-1)
         if self.row_seeds:
-            self.rngs = self.rngs or [torch.Generator(scores.device).manual_seed(seed)
-                                      for seed in self.row_seeds]
+            self.rngs = self.rngs or [
+                torch.Generator(scores.device).manual_seed(seed) for seed in self.row_seeds
+            ]
             # one exponential draw per row, then one argmax: the Gumbel-style trick that
             # torch.multinomial itself uses for one sample, so the same tokens (a test)
             noise = torch.empty_like(self.last)
@@ -186,9 +199,19 @@ def generation_chunks(prompt_lengths, max_new_tokens, batch_rows, token_budget=0
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature=1.0,
-                       stop_at_eos=True, batch_rows=64, token_budget=0, precision="auto",
-                       row_seeds=None):
+def sample_completions(
+    model,
+    tokenizer,
+    prompts,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    stop_at_eos=True,
+    batch_rows=64,
+    token_budget=0,
+    precision="auto",
+    row_seeds=None,
+):
     """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
     `generate` runs on at most `batch_rows` prompts at a time, and at most `token_budget` padded
@@ -207,24 +230,33 @@ def sample_completions(model, tokenizer, prompts, max_new_tokens, *, temperature
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
         lo, hi = chunk.start, chunk.stop
-        enc = tokenizer(prompts[lo:hi], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(model.device)
-        recorder = SampledLogprobs(temperature if temperature > 0 else 1.0,
-                                   row_seeds and row_seeds[lo:hi])
+        enc = tokenizer(
+            prompts[lo:hi], return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(model.device)
+        recorder = SampledLogprobs(
+            temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
+        )
         with training_autocast(model.device, precision):  # the precision the trainer scores in
             seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
-                **enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]),
-                synced_gpus=False)
+                **enc,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+                synced_gpus=False,
+            )
         recorder.collect(seq)
         completion = seq[:, enc["input_ids"].shape[1] :].cpu()
-        logp = torch.stack(recorder.picked, 1).cpu() if temperature > 0 else torch.zeros(
-            completion.shape)
+        logp = (
+            torch.stack(recorder.picked, 1).cpu()
+            if temperature > 0
+            else torch.zeros(completion.shape)
+        )
         is_stop = torch.isin(completion, stop)
         keep = ~((is_stop.cumsum(-1) - is_stop.long()) > 0)  # up to and including the first EOS
         for ids, row_logp, row_keep in zip(completion, logp, keep):
             ids = ids[row_keep]
-            out.append((tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(),
-                        row_logp[row_keep]))
+            out.append(
+                (tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), row_logp[row_keep])
+            )
     return out
 
 
@@ -281,16 +313,19 @@ def place_logprobs(mask, logps):
 
 
 @torch.no_grad()
-def reference_logprobs(model, reference, input_ids, attention_mask, completion_len, *,
-                       temperature=1.0):
+def reference_logprobs(
+    model, reference, input_ids, attention_mask, completion_len, *, temperature=1.0
+):
     """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter
     disabled."""
     if reference is not None:
         return completion_logprobs(
-            reference, input_ids, attention_mask, completion_len, temperature=temperature)
+            reference, input_ids, attention_mask, completion_len, temperature=temperature
+        )
     with model.disable_adapter():
         return completion_logprobs(
-            model, input_ids, attention_mask, completion_len, temperature=temperature)
+            model, input_ids, attention_mask, completion_len, temperature=temperature
+        )
 
 
 @dataclasses.dataclass
@@ -328,8 +363,7 @@ class Scoring:
     equal_count: object = None
 
 
-def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=None,
-                         with_old=True):
+def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=None, with_old=True):
     """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most
     `scoring.token_budget` packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
 
@@ -346,8 +380,12 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
     subset = list(range(len(prompts))) if rows is None else rows
     packed = []
     if subset:  # an empty mini-batch (fewer rows than mini-batches) has none
-        local = micro_batches(tokenizer, [prompts[r] for r in subset],
-                              [completions[r] for r in subset], scoring.token_budget)
+        local = micro_batches(
+            tokenizer,
+            [prompts[r] for r in subset],
+            [completions[r] for r in subset],
+            scoring.token_budget,
+        )
         packed = [[subset[k] for k in rows_of_local] for rows_of_local in local]
     if scoring.equal_count:
         packed += [[]] * (scoring.equal_count(len(packed)) - len(packed))
@@ -355,7 +393,8 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
     for rows in packed:
         if rows:
             ids, attn, mask = pack_completions(
-                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device)
+                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device
+            )
         else:  # padding: a one-token prompt and a one-token completion, masked out
             ids = torch.full((1, 2), tokenizer.pad_token_id or 0, device=device)
             attn, mask = torch.ones_like(ids), torch.zeros(1, 1, device=device)
@@ -366,11 +405,12 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
             with torch.no_grad(), training_autocast(device, scoring.precision):
                 if with_old:
                     mb.old_logp = completion_logprobs(
-                        model, ids, attn, mask.shape[1], temperature=temperature)
+                        model, ids, attn, mask.shape[1], temperature=temperature
+                    )
                 if scoring.with_reference:
                     mb.ref_logp = reference_logprobs(
-                        model, scoring.reference, ids, attn, mask.shape[1],
-                        temperature=temperature)
+                        model, scoring.reference, ids, attn, mask.shape[1], temperature=temperature
+                    )
         out.append(mb)
     return out
 
@@ -378,8 +418,10 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
 def sampler_gap(micro_batches):
     """max_t |log π_old - log π_sampler| over a step's micro-batches: how far the trainer's
     forward is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
-    return max((((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item()
-                for mb in micro_batches), default=0.0)
+    return max(
+        (((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item() for mb in micro_batches),
+        default=0.0,
+    )
 
 
 def check_finite(value, step, what="loss"):

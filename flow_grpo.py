@@ -88,11 +88,14 @@ class Args:
     model: str = cli.arg("", "diffusers SD3 id or path ('' = toy digits MLP)")
     prompts: str = cli.arg("", "training prompts: text file or JSONL {prompt}")
     eval_prompts: str = cli.arg(
-        "", "evaluation prompts (a separate file; 'train' evaluates on the training prompts)")
+        "", "evaluation prompts (a separate file; 'train' evaluates on the training prompts)"
+    )
     eval_max_prompts: int = cli.arg(0, "cap on evaluation prompts (0 = all)")
     eval_batch: int = cli.arg(64, "images sampled and scored per chunk")
-    reward: str = cli.arg("digits", "digits (toy classifier), clip, pickscore, or module:function "
-                          "taking (images, prompts)")
+    reward: str = cli.arg(
+        "digits",
+        "digits (toy classifier), clip, pickscore, or module:function taking (images, prompts)",
+    )
     reward_model: str = cli.arg("", "override the clip/pickscore model path")
     epochs: int = cli.arg(150, "rollout batches")
     prompts_per_epoch: int = cli.arg(5, "B distinct prompts per batch")
@@ -105,55 +108,90 @@ class Args:
     shift: float = cli.arg(1.0, "scheduler shift (SD3: 3.0)")
     clip_range: float = cli.arg(1e-3, "ε of the per-step ratio clip (SD3: 1e-4)")
     adv_clip: float = cli.arg(5.0, "advantages clipped to ±adv_clip")
-    adv_std: str = cli.arg("group", "divide advantages by each group's std or the whole batch's "
-                           "(official SD3: global)", ["group", "global"])
+    adv_std: str = cli.arg(
+        "group",
+        "divide advantages by each group's std or the whole batch's (official SD3: global)",
+        ["group", "global"],
+    )
     drop_zero_advantage: bool = cli.arg(False, "leave samples with A = 0 out of the update")
     beta: float = cli.arg(0.05, "β of the KL to the reference")
     lr: float = cli.arg(1e-3, "AdamW learning rate")
-    ema: float = cli.arg(0.0, "EMA decay of the trained weights used for evaluation and saving "
-                         "(0 = off; official 0.9)")
+    ema: float = cli.arg(
+        0.0,
+        "EMA decay of the trained weights used for evaluation and saving (0 = off; official 0.9)",
+    )
     minibatches: int = cli.arg(2, "optimiser steps per rollout batch")
     micro_batch: int = cli.arg(
-        0, "rows per forward in rollouts and training (gradient accumulated; 0 = whole minibatch)")
+        0, "rows per forward in rollouts and training (gradient accumulated; 0 = whole minibatch)"
+    )
     gradient_checkpointing: bool = cli.arg(
-        False, "recompute the transformer's activations in the backward pass (SD3)")
+        False, "recompute the transformer's activations in the backward pass (SD3)"
+    )
     lora_rank: int = cli.arg(0, "LoRA rank on the attention projections (SD3)")
     resolution: int = cli.arg(512, "image size in pixels (SD3)")
-    mixed_precision: str = cli.arg("fp32", "auto: bf16 on GPUs that have it, else fp32; fp16 uses "
-                                   "a GradScaler. The SDE math is fp32",
-                                   ["auto", "fp32", "fp16", "bf16"])
-    label_noise: float = cli.arg(0.4, "toy: share of pretraining labels replaced at random (how "
-                                 "badly the base follows prompts)")
+    mixed_precision: str = cli.arg(
+        "fp32",
+        "auto: bf16 on GPUs that have it, else fp32; fp16 uses a GradScaler. The SDE math is fp32",
+        ["auto", "fp32", "fp16", "bf16"],
+    )
+    label_noise: float = cli.arg(
+        0.4,
+        "toy: share of pretraining labels replaced at random (how badly the base follows prompts)",
+    )
     cache_dir: str = cli.arg(
-        "runs/flow_grpo_cache", "toy: where the base model and reward classifier are cached")
+        "runs/flow_grpo_cache", "toy: where the base model and reward classifier are cached"
+    )
     eval_per_prompt: int = cli.arg(40, "evaluation samples per prompt")
     eval_every: int = cli.arg(10, "epochs between evaluations")
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: one run per seed, one table")
     out_dir: str = cli.arg("runs/flow_grpo", "output folder")
     device: str = cli.arg(
-        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"])
+        "auto",
+        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"],
+    )
     quiet: bool = cli.arg(False, "no per-step lines or progress bar")
-    report_to: str = cli.arg("none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
-                             ["none", "tensorboard"])
+    report_to: str = cli.arg(
+        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
+    )
     save_every: int = cli.arg(50, "epochs between checkpoints (0 = never)")
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
     overwrite: bool = cli.arg(
-        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
-        "run is refused)")
+        False,
+        "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)",
+    )
 
 
 # The original SD3.5-Medium recipe at its one-GPU (OCR) configuration's shape with the PickScore
 # configuration's β and reward; each value beside the original in docs/flow_grpo.md.
 PRESETS = {
     "sd3": dict(
-        model="stabilityai/stable-diffusion-3.5-medium", reward="pickscore", epochs=300,
-        prompts_per_epoch=8, group_size=8, guidance=4.5, shift=3.0, clip_range=1e-4, beta=0.01,
-        lr=3e-4, minibatches=2, micro_batch=8, lora_rank=32, mixed_precision="auto",
-        adv_std="global", ema=0.9, drop_zero_advantage=True, gradient_checkpointing=True,
-        eval_per_prompt=1, eval_every=60, eval_max_prompts=2048, eval_batch=16)
+        model="stabilityai/stable-diffusion-3.5-medium",
+        reward="pickscore",
+        epochs=300,
+        prompts_per_epoch=8,
+        group_size=8,
+        guidance=4.5,
+        shift=3.0,
+        clip_range=1e-4,
+        beta=0.01,
+        lr=3e-4,
+        minibatches=2,
+        micro_batch=8,
+        lora_rank=32,
+        mixed_precision="auto",
+        adv_std="global",
+        ema=0.9,
+        drop_zero_advantage=True,
+        gradient_checkpointing=True,
+        eval_per_prompt=1,
+        eval_every=60,
+        eval_max_prompts=2048,
+        eval_batch=16,
+    )
 }
 
 
@@ -224,7 +262,8 @@ def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
     v_ref None means β = 0. Returns (loss, logp, stats)."""
     sigma, sigma_next = sigmas
     _, logp, mean, std = sde_step_with_logprob(
-        v, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next)
+        v, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next
+    )
     ratio = torch.exp(logp - old_logp)  # Eq. 5's ρ
     clip = objective.clip_range
     pg_loss1 = -advantages * ratio
@@ -233,14 +272,17 @@ def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
     kl = torch.zeros_like(pg_loss)
     if v_ref is not None:
         _, _, ref_mean, _ = sde_step_with_logprob(
-            v_ref, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next)
+            v_ref, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next
+        )
         # DEVIATION 2: official σ_t², not s²
         sigma_t = std / math.sqrt(float(sigma) - float(sigma_next))
         kl = gaussian_mean_kl(mean, ref_mean, sigma_t)
     loss = (pg_loss + objective.beta * kl).mean()  # Eq. 5
     stats = {
-        "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(), "kl": kl.mean().item(),
-        "ratio_max": ratio.max().item()}
+        "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(),
+        "kl": kl.mean().item(),
+        "ratio_max": ratio.max().item(),
+    }
     return loss, logp, stats
 
 
@@ -275,8 +317,13 @@ def rollout(velocity_fn, noise, sigmas, cond, empty, guidance, noise_level, step
         v = guided_velocity(velocity_fn, latents[-1], sigmas[j], cond, empty, guidance).float()
         if noise_level > 0:
             x_next, log_prob, _, _ = sde_step_with_logprob(
-                v, latents[-1], sigmas[j], sigmas[j + 1], noise_level,
-                noise=None if step_noise is None else step_noise[j])
+                v,
+                latents[-1],
+                sigmas[j],
+                sigmas[j + 1],
+                noise_level,
+                noise=None if step_noise is None else step_noise[j],
+            )
             log_probs.append(log_prob)
         else:
             x_next = latents[-1] + (sigmas[j + 1] - sigmas[j]) * v
@@ -291,12 +338,15 @@ def sde_rollouts(velocity_fn, noise, sigmas, cond, empty, *, micro, guidance, no
     for k in range(0, noise.shape[1], micro):
         rows = slice(k, k + micro)
         micro_rollout = rollout(
-            velocity_fn, noise[0, rows], sigmas,
+            velocity_fn,
+            noise[0, rows],
+            sigmas,
             cond=tuple(c[rows] for c in cond),
             empty=tuple(e[rows] for e in empty),
             guidance=guidance,
             noise_level=noise_level,
-            step_noise=noise[1:, rows])
+            step_noise=noise[1:, rows],
+        )
         micro_rollouts.append(micro_rollout)
     latents, log_probs = zip(*micro_rollouts)
     return torch.cat(latents, 1), torch.cat(log_probs, 1)
@@ -336,7 +386,8 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
     chosen = task.eval_prompts[: args.eval_max_prompts or None]
     prompts = [p for p in chosen for _ in range(args.eval_per_prompt)]
     noise = torch.randn(
-        (len(prompts), *task.latent_shape), generator=torch.Generator().manual_seed(args.seed + 1))
+        (len(prompts), *task.latent_shape), generator=torch.Generator().manual_seed(args.seed + 1)
+    )
     # each rank a share of the chunks; the toy (which keeps every image for its metrics) runs whole
     # on each
     rank, world = (0, 1) if keep_images else (accelerator.process_index, accelerator.num_processes)
@@ -344,9 +395,14 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
     for lo in range(rank * args.eval_batch, len(prompts), world * args.eval_batch):
         batch = prompts[lo : lo + args.eval_batch]
         latents, _ = rollout(
-            velocity, noise[lo : lo + len(batch)].to(accelerator.device), sigmas,
-            cond=task.encode(batch), empty=task.empty(len(batch)), guidance=args.guidance,
-            noise_level=0.0)
+            velocity,
+            noise[lo : lo + len(batch)].to(accelerator.device),
+            sigmas,
+            cond=task.encode(batch),
+            empty=task.empty(len(batch)),
+            guidance=args.guidance,
+            noise_level=0.0,
+        )
         chunk = task.decode(latents[-1])
         scores.append(score(task.reward, chunk, batch, args.reward))
         if keep_images:
@@ -358,7 +414,8 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
         metrics |= task.accuracy(images, prompts)
         if args.eval_per_prompt > 1:
             metrics["diversity"] = digits.mean_pairwise_distance(
-                images, [i // args.eval_per_prompt for i in range(len(prompts))])
+                images, [i // args.eval_per_prompt for i in range(len(prompts))]
+            )
     return metrics, images
 
 
@@ -433,8 +490,15 @@ def train(args):
     accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
     tracking.check_out_dir(args.out_dir, args, accelerator)
     task = sd3.SD3Task(args, device) if args.model else digits.DigitsTask(args, device)
-    cli.check_args([(args.prompts_per_epoch <= len(task.prompts), f"--prompts-per-epoch "
-                        f"{args.prompts_per_epoch} > {len(task.prompts)} prompts available")])
+    cli.check_args(
+        [
+            (
+                args.prompts_per_epoch <= len(task.prompts),
+                f"--prompts-per-epoch "
+                f"{args.prompts_per_epoch} > {len(task.prompts)} prompts available",
+            )
+        ]
+    )
     params = [p for p in task.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)  # official wd, clip 1.0
     fp16 = bool(args.model) and task.dtype == torch.float16  # fp16 only with loss scaling (NOTE)
@@ -489,9 +553,16 @@ def train(args):
         # 2. SDE rollouts (Eq. 9) in the training micro-batch shape (DEVIATION 6):
         #    latents (T+1, n, ...) and the sampler's per-step log-probs (T, n)
         with phases.time("rollout"):
-            latents, old_logp = sde_rollouts(velocity, noise, train_sigmas, cond, empty,
-                                             micro=micro_rows, guidance=args.guidance,
-                                             noise_level=args.noise_level)
+            latents, old_logp = sde_rollouts(
+                velocity,
+                noise,
+                train_sigmas,
+                cond,
+                empty,
+                micro=micro_rows,
+                guidance=args.guidance,
+                noise_level=args.noise_level,
+            )
 
         # 3. rewards → group advantages (Eq. 4), shared by every step of a trajectory
         with phases.time("prepare"):
@@ -499,7 +570,8 @@ def train(args):
             rewards = score(task.reward, images, prompts, args.reward)
         all_rewards = accelerator.gather(rewards.to(device)).cpu()  # the whole batch's (global std)
         normalised = common.group_advantages(  # Eq. 4, the population std as the original
-            all_rewards, args.group_size, scale=args.adv_std, unbiased=False)
+            all_rewards, args.group_size, scale=args.adv_std, unbiased=False
+        )
         # this rank's rows, clipped at ±--adv-clip (the original's ±5)
         advantages = normalised.clamp(-args.adv_clip, args.adv_clip)[my_rows].to(device)
 
@@ -531,11 +603,18 @@ def train(args):
                         if args.beta:
                             with torch.no_grad():
                                 v_ref = guided_velocity(
-                                    task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance)
+                                    task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance
+                                )
                         loss, logp, stats = step_loss(
-                            v, v_ref, x, x_next, sigmas=train_sigmas[j : j + 2],
-                            old_logp=step_old_logp, advantages=advantages[rows],
-                            objective=objective)
+                            v,
+                            v_ref,
+                            x,
+                            x_next,
+                            sigmas=train_sigmas[j : j + 2],
+                            old_logp=step_old_logp,
+                            advantages=advantages[rows],
+                            objective=objective,
+                        )
                         if m == 0:  # nothing updated yet: scores what the rollout drew
                             gap = (logp.detach() - step_old_logp).abs().max()
                             sampler_dev = max(sampler_dev, gap.item())
@@ -584,19 +663,30 @@ def train(args):
         if accelerator.is_main_process:
             task.save(out_dir)
     run.records[-1] |= {f"eval_{k}": v for k, v in after.items()}
-    summary = {**{f"{k}_before": v for k, v in before.items()}, **task.info,
-               **{f"{k}_after": v for k, v in after.items()}, "sampler_logprob_max_dev":
-               sampler_dev}
+    summary = {
+        **{f"{k}_before": v for k, v in before.items()},
+        **task.info,
+        **{f"{k}_after": v for k, v in after.items()},
+        "sampler_logprob_max_dev": sampler_dev,
+    }
     if "accuracy" in before:  # the row of `make demo`'s table
-        summary["claim"] = {"text": "Flow-GRPO (images): ODE eval accuracy goes up",
-                            "before": before["accuracy"], "after": after["accuracy"]}
+        summary["claim"] = {
+            "text": "Flow-GRPO (images): ODE eval accuracy goes up",
+            "before": before["accuracy"],
+            "after": after["accuracy"],
+        }
     if toy and accelerator.is_main_process and images_before is not None:
         digits.plot_digit_grid(
-            images_before, images_after, args.eval_per_prompt, path=out_dir / "samples.png")
-    return run.finish(summary, [
-        ("reward.png", ["reward", "zero_var_frac"], "flow_grpo: training reward"),
-        ("eval.png", ["eval_accuracy", "eval_reward"], "flow_grpo: ODE evaluation"),
-        ("kl.png", ["kl"], "flow_grpo: KL to the reference")])
+            images_before, images_after, args.eval_per_prompt, path=out_dir / "samples.png"
+        )
+    return run.finish(
+        summary,
+        [
+            ("reward.png", ["reward", "zero_var_frac"], "flow_grpo: training reward"),
+            ("eval.png", ["eval_accuracy", "eval_reward"], "flow_grpo: ODE evaluation"),
+            ("kl.png", ["kl"], "flow_grpo: KL to the reference"),
+        ],
+    )
 
 
 if __name__ == "__main__":

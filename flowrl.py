@@ -122,25 +122,31 @@ class Args:
         "replacement: each rollout batch draws B prompts uniformly (the toys); shuffle: passes "
         "over the prompts in a fresh random order, each prompt once per pass, a last partial batch "
         "dropped (the original's loader)",
-        ["replacement", "shuffle"])
+        ["replacement", "shuffle"],
+    )
     total_epochs: int = cli.arg(
-        0, "passes over the prompts (--sampling shuffle), ⌊prompts/B⌋ rollout batches each, in "
-        "place of --steps (0 = --steps counts; original: 1)")
+        0,
+        "passes over the prompts (--sampling shuffle), ⌊prompts/B⌋ rollout batches each, in "
+        "place of --steps (0 = --steps counts; original: 1)",
+    )
     prompts_per_step: int = cli.arg(4, "B, prompts per rollout batch")
     group_size: int = cli.arg(64, "G, samples per prompt (original: 8)")
     inner_steps: int = cli.arg(8, "epochs over each rollout batch (--minibatches steps each)")
     minibatches: int = cli.arg(
-        1, "disjoint mini-batches per rollout batch, one optimiser step each (π_old fixed)")
+        1, "disjoint mini-batches per rollout batch, one optimiser step each (π_old fixed)"
+    )
     max_new_tokens: int = cli.arg(3, "|y| cap")
     beta: float = cli.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (original: 15)")
     reward_norm: str = cli.arg(
-        "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"])
+        "none", "r̂: 'group' = group-normalised (paper), 'none' = raw reward", ["group", "none"]
+    )
     clip_eps: float = cli.arg(0.2, "ε for w (FlowRL) and the GRPO clip")
     dual_clip: float = cli.arg(0.0, "GRPO arms: cap the loss at c·|A| where A < 0 (0 = off)")
     lr: float = cli.arg(1e-3, "policy learning rate (original: 1e-6)")
     weight_decay: float = cli.arg(0.0, "AdamW weight decay (original code: 0.1)")
     warmup_steps: int = cli.arg(
-        0, "rollout batches of linear learning-rate warm-up, the first at lr 0 (original: 10)")
+        0, "rollout batches of linear learning-rate warm-up, the first at lr 0 (original: 10)"
+    )
     logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
     detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
     temperature: float = cli.arg(1.0, "rollout temperature (original: 1.0)")
@@ -148,27 +154,37 @@ class Args:
     eval_k: int = cli.arg(4, "k of Avg@k (original: 16)")
     eval_every: int = cli.arg(25, "steps between evaluations")
     spread_samples: int = cli.arg(
-        64, "numbers task: samples per question for the answer spread at the start and the end")
+        64, "numbers task: samples per question for the answer spread at the start and the end"
+    )
     lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = cli.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)")
+        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
+    )
     gen_batch: int = cli.arg(64, "prompts per `generate` call")
     gradient_checkpointing: bool = cli.arg(
-        False, "recompute activations in the backward pass (full preset: on)")
+        False, "recompute activations in the backward pass (full preset: on)"
+    )
     fsdp: bool = cli.arg(
-        False, "shard the weights, gradients, AdamW moments and π_ref over the N processes "
-        "(FSDP2; full fine-tunes past one GPU's memory, the full-7b preset)")
+        False,
+        "shard the weights, gradients, AdamW moments and π_ref over the N processes "
+        "(FSDP2; full fine-tunes past one GPU's memory, the full-7b preset)",
+    )
     mixed_precision: str = cli.arg(
-        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
-        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
+        "auto",
+        "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32",
+        ["auto", "bf16", "fp32"],
+    )
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all three --algo arms per seed, one table")
     out_dir: str = cli.arg("", "output folder (default runs/flowrl[-grpo|-grpo-kl])")
     device: str = cli.arg(
-        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"])
+        "auto",
+        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"],
+    )
     quiet: bool = cli.arg(False, "no per-step lines or progress bar")
     report_to: str = cli.arg(
         "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
@@ -176,8 +192,10 @@ class Args:
     save_every: int = cli.arg(50, "steps between checkpoints (0 = never)")
     resume: bool = cli.arg(False, "continue from out_dir/checkpoint.safetensors")
     overwrite: bool = cli.arg(
-        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
-        "run is refused)")
+        False,
+        "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)",
+    )
 
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
@@ -186,29 +204,73 @@ class Args:
 # (DEVIATION 7).
 PRESETS = {
     "full": dict(
-        task="math", model="Qwen/Qwen2.5-1.5B-Instruct", steps=200, prompts_per_step=32,
-        group_size=8, inner_steps=1, minibatches=16, max_new_tokens=1024, beta=15.0,
-        reward_norm="group", lr=1e-6, logz_lr=1e-6, weight_decay=0.1, warmup_steps=10, eval_k=16,
-        dual_clip=3.0, eval_every=50, micro_batch_tokens=8192, gen_batch=64,
-        gradient_checkpointing=True, sampling="shuffle"),
+        task="math",
+        model="Qwen/Qwen2.5-1.5B-Instruct",
+        steps=200,
+        prompts_per_step=32,
+        group_size=8,
+        inner_steps=1,
+        minibatches=16,
+        max_new_tokens=1024,
+        beta=15.0,
+        reward_norm="group",
+        lr=1e-6,
+        logz_lr=1e-6,
+        weight_decay=0.1,
+        warmup_steps=10,
+        eval_k=16,
+        dual_clip=3.0,
+        eval_every=50,
+        micro_batch_tokens=8192,
+        gen_batch=64,
+        gradient_checkpointing=True,
+        sampling="shuffle",
+    ),
     # A real pretrained model on a laptop CPU: SmolLM2-135M-Instruct (bundled by a registry package,
     # no download), full fine-tuning in fp32. Greedy accuracy on the 64 held-out sums is Avg@1 at
     # T = 0. The numbers preset: β = 1 on the group-normalised r̂ (β = 15 would dwarf the log-ratio
     # term that keeps π near π_ref) and a slow log Z (at 1e-3 it jumped by ±2 per step).
     "smollm2-addition": dict(
-        task="addition", model="smollm2", steps=40, prompts_per_step=4, group_size=8, inner_steps=1,
-        max_new_tokens=12, lr=3e-6, eval_k=1, eval_temperature=0.0, eval_every=5),
+        task="addition",
+        model="smollm2",
+        steps=40,
+        prompts_per_step=4,
+        group_size=8,
+        inner_steps=1,
+        max_new_tokens=12,
+        lr=3e-6,
+        eval_k=1,
+        eval_temperature=0.0,
+        eval_every=5,
+    ),
     "smollm2-numbers": dict(
-        task="numbers", model="smollm2", steps=12, prompts_per_step=2, group_size=8, inner_steps=1,
-        max_new_tokens=10, beta=1.0, reward_norm="group", lr=6e-6, logz_lr=1e-4, gen_batch=256,
-        eval_every=1000),
+        task="numbers",
+        model="smollm2",
+        steps=12,
+        prompts_per_step=2,
+        group_size=8,
+        inner_steps=1,
+        max_new_tokens=10,
+        beta=1.0,
+        reward_norm="group",
+        lr=6e-6,
+        logz_lr=1e-4,
+        gen_batch=256,
+        eval_every=1000,
+    ),
 }
 # The original's model, shapes (512 prompts × G 8, 8k new tokens) and length: one shuffled pass
 # over --data (⌊rows/512⌋ rollout batches, evaluated before the first and every 5th), sharded over
 # the GPUs (--fsdp; the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`.
 PRESETS["full-7b"] = PRESETS["full"] | dict(
-    model="Qwen/Qwen2.5-7B", prompts_per_step=512, max_new_tokens=8192, micro_batch_tokens=16384,
-    fsdp=True, total_epochs=1, eval_every=5)
+    model="Qwen/Qwen2.5-7B",
+    prompts_per_step=512,
+    max_new_tokens=8192,
+    micro_batch_tokens=16384,
+    fsdp=True,
+    total_epochs=1,
+    eval_every=5,
+)
 
 
 # ------------------------ the math: trajectory balance with a learned log Z, and the GRPO baseline
@@ -248,15 +310,19 @@ class LogZHead(nn.Module):
     def __init__(self, hidden_size):
         super().__init__()
         block = lambda: [
-            nn.Linear(hidden_size, hidden_size), nn.GELU(), nn.LayerNorm(hidden_size),
-            nn.Dropout(0.1)]
+            nn.Linear(hidden_size, hidden_size),
+            nn.GELU(),
+            nn.LayerNorm(hidden_size),
+            nn.Dropout(0.1),
+        ]
         self.net = nn.Sequential(*block(), *block(), nn.Linear(hidden_size, 1))
 
     def forward(self, hidden, prompt_mask, detach=False):
         """hidden (B, P, H), prompt_mask (B, P) → log Z (B,); detach: no gradient into the LM."""
         hidden = hidden.detach() if detach else hidden
         pooled = (hidden * prompt_mask[..., None]).sum(1) / prompt_mask.sum(1, keepdim=True).clamp(
-            min=1)
+            min=1
+        )
         # NOTE: the head runs in fp32, outside autocast and outside FSDP's units (replicated); the
         # original's sits inside its bf16 FSDP module. A few MLP layers: the difference is rounding.
         return self.net(pooled.float()).squeeze(-1)
@@ -296,9 +362,16 @@ def sample_groups(model, tokenizer, prompts, *, group_size, seeds, generation, s
     one process would."""
     row_seeds = distributed.row_seeds(seeds, group_size)
     return common.sample_completions(
-        model, tokenizer, [prompt for prompt in prompts for _ in range(group_size)],
-        generation.max_new_tokens, temperature=generation.temperature, stop_at_eos=stop_at_eos,
-        batch_rows=generation.gen_batch, precision=generation.mixed_precision, row_seeds=row_seeds)
+        model,
+        tokenizer,
+        [prompt for prompt in prompts for _ in range(group_size)],
+        generation.max_new_tokens,
+        temperature=generation.temperature,
+        stop_at_eos=stop_at_eos,
+        batch_rows=generation.gen_batch,
+        precision=generation.mixed_precision,
+        row_seeds=row_seeds,
+    )
 
 
 def scalars(metrics, all_keys=False):
@@ -340,9 +413,15 @@ def rollout_batches(args, num_prompts):
     """--steps, or with --total-epochs E: E·⌊prompts/B⌋, the original's length (its loader drops a
     last partial batch; verl's total_training_steps = len(train_dataloader)·total_epochs)."""
     per_epoch = num_prompts // args.prompts_per_step
-    cli.check_args([(args.sampling == "replacement" or per_epoch >= 1,
-                     f"--sampling shuffle: --prompts-per-step {args.prompts_per_step} is more "
-                     f"than the {num_prompts} prompts of one pass")])
+    cli.check_args(
+        [
+            (
+                args.sampling == "replacement" or per_epoch >= 1,
+                f"--sampling shuffle: --prompts-per-step {args.prompts_per_step} is more "
+                f"than the {num_prompts} prompts of one pass",
+            )
+        ]
+    )
     return args.total_epochs * per_epoch if args.total_epochs else args.steps
 
 
@@ -371,10 +450,14 @@ def validate(args):
                 (args.task == "math") == bool(args.data),
                 "--task math (--preset full) needs --data FILE.jsonl; the other tasks take none",
             ),
-            (not args.total_epochs or args.sampling == "shuffle",
-             "--total-epochs counts passes without replacement: it needs --sampling shuffle"),
-            (not (args.fsdp and args.lora_rank),
-             "--fsdp shards a full fine-tune; a LoRA run keeps its base whole (drop one)"),
+            (
+                not args.total_epochs or args.sampling == "shuffle",
+                "--total-epochs counts passes without replacement: it needs --sampling shuffle",
+            ),
+            (
+                not (args.fsdp and args.lora_rank),
+                "--fsdp shards a full fine-tune; a LoRA run keeps its base whole (drop one)",
+            ),
             (
                 (args.task == "valleys") != bool(args.model),
                 f"--task {args.task} needs --model (or a preset: full, smollm2-addition, "
@@ -407,8 +490,15 @@ def train(args):
         equal_count = distributed.equal_count(accelerator)
     # π_old (where samples are reused) and π_ref (not for GRPO) scored once per rollout batch
     scoring = common.Scoring(
-        tokenizer, args.micro_batch_tokens, device, model=model, reference=ref_model,
-        precision=args.mixed_precision, with_reference=args.algo != "grpo", equal_count=equal_count)
+        tokenizer,
+        args.micro_batch_tokens,
+        device,
+        model=model,
+        reference=ref_model,
+        precision=args.mixed_precision,
+        with_reference=args.algo != "grpo",
+        equal_count=equal_count,
+    )
     generation = flowrl_tasks.Generation.from_args(args)
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
     optimizer, trained = make_optimizer(model, head, args)
@@ -433,8 +523,15 @@ def train(args):
     if "first" in extra:  # a resumed run: the start was evaluated before its checkpoint
         first = extra["first"]
     else:
-        first = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
-                                      generation=generation, accelerator=accelerator)
+        first = flowrl_tasks.evaluate(
+            model,
+            ref_model,
+            tokenizer,
+            task,
+            beta=args.beta,
+            generation=generation,
+            accelerator=accelerator,
+        )
     sampler_dev, final = extra.get("sampler_dev", 0.0), {}
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     num_prompts = len(task.prompts)
@@ -472,9 +569,16 @@ def train(args):
         reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
         with phases.time("prepare"):
             minibatches = [
-                common.scored_micro_batches(prompts, completions, sampler_logps=sampler_logps,
-                                            scoring=scoring, rows=rows, with_old=reused)
-                for rows in common.split_minibatches(len(samples), args.minibatches)]
+                common.scored_micro_batches(
+                    prompts,
+                    completions,
+                    sampler_logps=sampler_logps,
+                    scoring=scoring,
+                    rows=rows,
+                    with_old=reused,
+                )
+                for rows in common.split_minibatches(len(samples), args.minibatches)
+            ]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
         # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
@@ -489,7 +593,8 @@ def train(args):
             ref_sums = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
             lengths = torch.tensor([len(c) for c in completions]).clamp(min=1)  # |y|
             shaped = kl_regularised_reward(
-                rewards, torch.cat(old_sums).cpu(), torch.cat(ref_sums).cpu(), lengths, args.beta)
+                rewards, torch.cat(old_sums).cpu(), torch.cat(ref_sums).cpu(), lengths, args.beta
+            )
         advantages = common.group_advantages(shaped, args.group_size).to(device)
 
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
@@ -510,7 +615,8 @@ def train(args):
                     with autocast:
                         if args.algo == "flowrl":  # log Z reads the prompt's hidden states
                             logp, hidden = common.completion_logprobs_and_hidden(  # (B, P+W, H)
-                                model, ids, attn, completion_len)
+                                model, ids, attn, completion_len
+                            )
                         else:
                             logp = common.completion_logprobs(model, ids, attn, completion_len)
                     if mb.old_logp is None:  # on-policy: π_old is exactly this forward
@@ -535,8 +641,11 @@ def train(args):
                             weight=weight,
                             num_rows=num_rows,
                         )
-                        stats = {"log_z": log_z.detach(), "w_mean": weight,
-                                 "residual_abs": residual.detach().abs()}
+                        stats = {
+                            "log_z": log_z.detach(),
+                            "w_mean": weight,
+                            "residual_abs": residual.detach().abs(),
+                        }
                     else:  # the clipped surrogate pg_loss1/pg_loss2 on A
                         log_ratio = (logp.detach() - mb.old_logp) * mask
                         ratio = torch.exp(log_ratio)  # per token
@@ -571,17 +680,32 @@ def train(args):
         record |= phases.seconds()  # 1, 2-4 (π_old, π_ref), 5
         record |= tracking.token_counts(completions, every_micro_batch, args.inner_steps)
         if step % args.eval_every == 0 or step == args.steps:
-            evaluation = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
-                                               generation=generation, accelerator=accelerator)
+            evaluation = flowrl_tasks.evaluate(
+                model,
+                ref_model,
+                tokenizer,
+                task,
+                beta=args.beta,
+                generation=generation,
+                accelerator=accelerator,
+            )
             final = evaluation if step == args.steps else final
             record |= scalars(evaluation)
         run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
 
     if not final:  # resumed a finished run
-        final = flowrl_tasks.evaluate(model, ref_model, tokenizer, task, beta=args.beta,
-                                      generation=generation, accelerator=accelerator)
-    summary = flowrl_tasks.summary_of(scalars(first, all_keys=True), scalars(final, all_keys=True),
-                                      args, task) | {"sampler_logprob_max_dev": sampler_dev}
+        final = flowrl_tasks.evaluate(
+            model,
+            ref_model,
+            tokenizer,
+            task,
+            beta=args.beta,
+            generation=generation,
+            accelerator=accelerator,
+        )
+    summary = flowrl_tasks.summary_of(
+        scalars(first, all_keys=True), scalars(final, all_keys=True), args, task
+    ) | {"sampler_logprob_max_dev": sampler_dev}
     plots = flowrl_tasks.run_plots(first, final, args, task, out_dir) if main else []
     if task.kind != "valleys":  # the log Z head stays out of the exported model
         weights = distributed.full_weights(model)  # --fsdp: gathered to rank 0; else None
@@ -596,13 +720,15 @@ if __name__ == "__main__":
     tasks = flowrl_tasks
     if args.seeds and args.task == "numbers":  # FlowRL vs GRPO on SmolLM2: the answers' spread
         sweep_dir = args.out_dir or "runs/flowrl-numbers-sweep"
-        sweep.seed_sweep(train, args, tasks.SPREAD_ARMS, tasks.spread_row, tasks.spread_claim,
-                         sweep_dir)
+        sweep.seed_sweep(
+            train, args, tasks.SPREAD_ARMS, tasks.spread_row, tasks.spread_claim, sweep_dir
+        )
         tasks.plot_spread_comparison(sweep_dir)
     elif args.seeds:  # the toy: FlowRL, GRPO and GRPO-KL per seed
         sweep_dir = args.out_dir or "runs/flowrl-sweep"
-        sweep.seed_sweep(train, args, tasks.SWEEP_ARMS, tasks.sweep_row, tasks.claim_holds,
-                         sweep_dir)
+        sweep.seed_sweep(
+            train, args, tasks.SWEEP_ARMS, tasks.sweep_row, tasks.claim_holds, sweep_dir
+        )
     else:
         summary = train(args)
         if distributed.is_rank_zero():  # one final JSON, not one per rank

@@ -99,7 +99,8 @@ class Args:
     model: str = cli.arg("", "HF model id or path ('' = tiny toy LM)")
     arms: str = cli.arg(
         "sft+grpo,sft+rc-grpo,rctp+grpo,rctp+rc-grpo",
-        "comma-separated arms: {sft|rctp}+{grpo|rc-grpo} (Table 1)")
+        "comma-separated arms: {sft|rctp}+{grpo|rc-grpo} (Table 1)",
+    )
     steps: int = cli.arg(40, "GRPO steps per arm")
     tasks_per_step: int = cli.arg(8, "tasks per GRPO batch")
     group_size: int = cli.arg(5, "G rollouts per task (paper: 5)")
@@ -111,73 +112,123 @@ class Args:
     sft_epochs: int = cli.arg(2, "SFT baseline epochs (paper: 2)")
     rctp_epochs: int = cli.arg(5, "RCTP-FT epochs (paper: 5)")
     sft_batch: int = cli.arg(
-        16, "stage-1 batch: trajectories at full scale (paper: 16), single steps on the toy")
+        16, "stage-1 batch: trajectories at full scale (paper: 16), single steps on the toy"
+    )
     failure_rollouts: int = cli.arg(4, "base-model rollouts per train task to find failures")
     max_steps: int = cli.arg(6, "model steps per user turn (BFCL: 20)")
     max_prompt_tokens: int = cli.arg(
-        18000, "a dialogue whose prompt grows past this is abandoned and scored as it stands")
+        18000, "a dialogue whose prompt grows past this is abandoned and scored as it stands"
+    )
     max_new_tokens: int = cli.arg(10, "tokens per model step")
     temperature: float = cli.arg(1.0, "rollout temperature; evaluation is greedy")
     max_tasks: int = cli.arg(
-        0, "use N train and N test tasks, taken round-robin over the categories (0 = all)")
+        0, "use N train and N test tasks, taken round-robin over the categories (0 = all)"
+    )
     tasks: str = cli.arg("", "comma-separated entry ids to use (train and test)")
     max_turns: int = cli.arg(
-        0, "keep only the first N user turns of each entry (0 = all; a laptop knob)")
+        0, "keep only the first N user turns of each entry (0 = all; a laptop knob)"
+    )
     docs: str = cli.arg(
-        "all", "all: every function of the involved classes (BFCL); needed: only those the ground "
-        "truth calls (shorter prompts, a laptop knob)", ["all", "needed"])
+        "all",
+        "all: every function of the involved classes (BFCL); needed: only those the ground "
+        "truth calls (shorter prompts, a laptop knob)",
+        ["all", "needed"],
+    )
     toy_tasks: int = cli.arg(240, "toy: training tasks")
     toy_test_tasks: int = cli.arg(200, "toy: held-out tasks")
     rare_share: float = cli.arg(0.15, "toy: share of tasks whose file is not in `docs`")
     lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = cli.arg(
-        4096, "padded tokens per forward pass; gradients accumulate over micro-batches")
+        4096, "padded tokens per forward pass; gradients accumulate over micro-batches"
+    )
     gen_batch: int = cli.arg(64, "rollouts per `generate` call")
     gen_tokens: int = cli.arg(
-        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows "
-        "only)")
+        0, "padded tokens per `generate` call: rows × (longest prompt + new tokens) (0: rows only)"
+    )
     gradient_checkpointing: bool = cli.arg(
-        False, "recompute activations in the backward pass (bfcl preset: on)")
+        False, "recompute activations in the backward pass (bfcl preset: on)"
+    )
     mixed_precision: str = cli.arg(
-        "auto", "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
-        "GPU that has it, fp32: none; weights stay fp32", ["auto", "bf16", "fp32"])
+        "auto",
+        "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
+        "GPU that has it, fp32: none; weights stay fp32",
+        ["auto", "bf16", "fp32"],
+    )
     seed: int = cli.arg(0, "random seed")
     seeds: str = cli.arg("", "seed sweep, e.g. 0-4: all arms per seed, one table")
     out_dir: str = cli.arg("runs/rc_grpo", "output folder")
     device: str = cli.arg(
-        "auto", "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
-        ["auto", "cpu"])
+        "auto",
+        "auto: cuda:<local rank>, mps or cpu (as Accelerate picks); cpu: force the CPU",
+        ["auto", "cpu"],
+    )
     quiet: bool = cli.arg(False, "no per-step lines or progress bar")
     report_to: str = cli.arg(
-        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)",
-        ["none", "tensorboard"])
+        "none", "also log the metrics to TensorBoard (out_dir/tensorboard)", ["none", "tensorboard"]
+    )
     save_every: int = cli.arg(10, "GRPO steps between checkpoints (0 = never)")
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")
     stage1_timeout: int = cli.arg(
-        172_800, "seconds the other ranks wait for rank 0's stage 1 (bfcl preset: ≈ 1 day)")
+        172_800, "seconds the other ranks wait for rank 0's stage 1 (bfcl preset: ≈ 1 day)"
+    )
     system_prompt: str = cli.arg(
-        "bfcl", "BFCL's system prompt: bfcl = what bfcl-eval's harness sends; short = a paraphrase "
-        "that fits a laptop model's context", ["bfcl", "short"])
+        "bfcl",
+        "BFCL's system prompt: bfcl = what bfcl-eval's harness sends; short = a paraphrase "
+        "that fits a laptop model's context",
+        ["bfcl", "short"],
+    )
     resume: bool = cli.arg(
-        False, "continue each GRPO arm from its checkpoint, after stage 1 from its saved file")
+        False, "continue each GRPO arm from its checkpoint, after stage 1 from its saved file"
+    )
     overwrite: bool = cli.arg(
-        False, "replace the run already in --out-dir (without it, or --resume, a folder holding a "
-        "run is refused)")
+        False,
+        "replace the run already in --out-dir (without it, or --resume, a folder holding a "
+        "run is refused)",
+    )
 
 
 PRESETS = {  # the paper's recipe, each value beside the paper's in docs/rc_grpo.md (DEVIATION 8)
     "bfcl": dict(
-        model="Qwen/Qwen2.5-7B-Instruct", arms="rctp+rc-grpo", steps=100, tasks_per_step=16,
-        lr=1e-5, sft_lr=1e-4, sft_batch=16, failure_rollouts=2, max_steps=20, max_new_tokens=256,
-        lora_rank=64, micro_batch_tokens=16384, gen_batch=32, gen_tokens=262144,
-        gradient_checkpointing=True),
+        model="Qwen/Qwen2.5-7B-Instruct",
+        arms="rctp+rc-grpo",
+        steps=100,
+        tasks_per_step=16,
+        lr=1e-5,
+        sft_lr=1e-4,
+        sft_batch=16,
+        failure_rollouts=2,
+        max_steps=20,
+        max_new_tokens=256,
+        lora_rank=64,
+        micro_batch_tokens=16384,
+        gen_batch=32,
+        gen_tokens=262144,
+        gradient_checkpointing=True,
+    ),
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled, fully fine-tuned so one run
     # trains both arms): 19 short BFCL entries, first turn, needed docs; β 0: flat groups unscored
     "smollm2-bfcl": dict(
-        model="smollm2", arms="sft+grpo,rctp+rc-grpo", tasks=bfcl.LAPTOP_TASKS, max_turns=1,
-        docs="needed", steps=4, tasks_per_step=2, group_size=4, lr=3e-5, beta=0.0, sft_lr=1e-4,
-        sft_epochs=2, rctp_epochs=2, sft_batch=4, failure_rollouts=1, max_steps=2,
-        max_new_tokens=32, temperature=0.7, micro_batch_tokens=1024, system_prompt="short"),
+        model="smollm2",
+        arms="sft+grpo,rctp+rc-grpo",
+        tasks=bfcl.LAPTOP_TASKS,
+        max_turns=1,
+        docs="needed",
+        steps=4,
+        tasks_per_step=2,
+        group_size=4,
+        lr=3e-5,
+        beta=0.0,
+        sft_lr=1e-4,
+        sft_epochs=2,
+        rctp_epochs=2,
+        sft_batch=4,
+        failure_rollouts=1,
+        max_steps=2,
+        max_new_tokens=32,
+        temperature=0.7,
+        micro_batch_tokens=1024,
+        system_prompt="short",
+    ),
 }
 
 
@@ -218,7 +269,8 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, 
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
         "kl": common.masked_mean(kl, mask).item(),
-        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item()}
+        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item(),
+    }
     return loss, stats
 
 
@@ -233,8 +285,9 @@ def build_rctp_data(world, entries, args):
         batch_entries = repeated[lo : lo + args.gen_batch]
         rollouts += [
             {"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
-            for r in bfcl.run_rollouts(world, batch_entries, [None] * len(batch_entries),
-                                       temperature=1.0, limits=limits)
+            for r in bfcl.run_rollouts(
+                world, batch_entries, [None] * len(batch_entries), temperature=1.0, limits=limits
+            )
         ]
     every_failure = [r for r in rollouts if r["reward"] == 0]
     random.Random(args.seed).shuffle(every_failure)
@@ -245,7 +298,8 @@ def build_rctp_data(world, entries, args):
     trajectories = [bfcl.trajectory_samples(world, e, high, e["ground_truth"]) for e in experts]
     for failure in failures:
         trajectories += [
-            bfcl.trajectory_samples(world, failure["entry"], low, failure["calls_per_turn"])]
+            bfcl.trajectory_samples(world, failure["entry"], low, failure["calls_per_turn"])
+        ]
     return trajectories, len(failures)
 
 
@@ -256,8 +310,9 @@ def stage1_units(trajectories, args):
     return trajectories if args.model else [[s] for t in trajectories for s in t]
 
 
-def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_budget,
-                        precision="auto"):
+def supervised_finetune(
+    world, trajectories, *, epochs, lr, batch, seed, token_budget, precision="auto"
+):
     """Maximum likelihood of the assistant tokens given the history (and reward token): stage 1
     (RCTP-FT). `trajectories`: lists of step samples; each batch of `batch` trajectories (the
     paper's unit) is one optimiser step over all their steps, accumulated over token-bounded
@@ -278,7 +333,8 @@ def supervised_finetune(world, trajectories, *, epochs, lr, batch, seed, token_b
             token_count = sum(len(c) for c in completions)
             optimizer.zero_grad()
             for mb in common.scored_micro_batches(
-                    prompts, completions, sampler_logps=None, scoring=packing):
+                prompts, completions, sampler_logps=None, scoring=packing
+            ):
                 with autocast:
                     logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
                 (-(logp * mb.mask).sum() / token_count).backward()
@@ -360,9 +416,15 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     limits = bfcl.Limits.from_args(args)  # a rollout's token, row and step caps
     # π_ref scored once per step (none when β = 0)
     scoring = common.Scoring(
-        tokenizer, args.micro_batch_tokens, model.device, model=model, reference=reference,
-        temperature=args.temperature, precision=args.mixed_precision,
-        with_reference=bool(args.beta))
+        tokenizer,
+        args.micro_batch_tokens,
+        model.device,
+        model=model,
+        reference=reference,
+        temperature=args.temperature,
+        precision=args.mixed_precision,
+        with_reference=bool(args.beta),
+    )
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(
         out_dir / name,
@@ -424,8 +486,13 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         step_advantages = torch.tensor([a for _, a in model_steps], device=model.device)
         with phases.time("prepare"):
             micro_batches = common.scored_micro_batches(
-                prompts, completions, sampler_logps=sampler_logps, scoring=scoring, rows=scored,
-                with_old=False)
+                prompts,
+                completions,
+                sampler_logps=sampler_logps,
+                scoring=scoring,
+                rows=scored,
+                with_old=False,
+            )
         metrics = tracking.StepMetrics()  # every micro-batch
         with phases.time("update"):
             optimizer.zero_grad()
@@ -434,7 +501,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
                 completion_len = mask.shape[1]
                 with autocast:
                     logp = common.completion_logprobs(  # (B, W)
-                        model, ids, attn, completion_len, temperature=args.temperature)
+                        model, ids, attn, completion_len, temperature=args.temperature
+                    )
                 mb.old_logp = logp.detach()  # π_old: exactly this forward
                 loss, stats = rc_grpo_loss(
                     logp,
@@ -483,7 +551,8 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     result = {
         "zero_variance_fraction": sum(zero_var) / len(zero_var),
         "entropy": sum(r["entropy"] for r in last) / len(last),
-        "sampler_logprob_max_dev": sampler_dev}
+        "sampler_logprob_max_dev": sampler_dev,
+    }
     return result, run
 
 
@@ -493,11 +562,18 @@ def stage_one(world, base_data, arms, args, path):
     the accuracies and the rollouts shown, in one file every rank loads."""
     if base_data is not None:  # the toy's base: a careless agent's trajectories on generic tasks
         supervised_finetune(
-            world, [[s] for s in base_data], epochs=8, lr=3e-3, batch=32, seed=args.seed,
-            token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
+            world,
+            [[s] for s in base_data],
+            epochs=8,
+            lr=3e-3,
+            batch=32,
+            seed=args.seed,
+            token_budget=args.micro_batch_tokens,
+            precision=args.mixed_precision,
+        )
+
     def trained_weights():  # a copy of the trained weights as they are now
-        return {k: v.detach().clone()
-                for k, v in world.model.named_parameters() if v.requires_grad}
+        return {k: v.detach().clone() for k, v in world.model.named_parameters() if v.requires_grad}
 
     base = trained_weights()
     summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
@@ -505,20 +581,39 @@ def stage_one(world, base_data, arms, args, path):
     shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, limits)]
     tensors, needed = {}, {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
-        expert = stage1_units([bfcl.trajectory_samples(world, e, None, e["ground_truth"])
-                               for e in world.train if e.get("demonstrated", True)], args)
+        expert = stage1_units(
+            [
+                bfcl.trajectory_samples(world, e, None, e["ground_truth"])
+                for e in world.train
+                if e.get("demonstrated", True)
+            ],
+            args,
+        )
         supervised_finetune(
-            world, expert, epochs=args.sft_epochs, lr=args.sft_lr, batch=args.sft_batch,
-            seed=args.seed, token_budget=args.micro_batch_tokens, precision=args.mixed_precision)
+            world,
+            expert,
+            epochs=args.sft_epochs,
+            lr=args.sft_lr,
+            batch=args.sft_batch,
+            seed=args.seed,
+            token_budget=args.micro_batch_tokens,
+            precision=args.mixed_precision,
+        )
         tensors |= {f"sft/{k}": v for k, v in trained_weights().items()}
         summary["sft_accuracy"] = evaluate(world, world.test, None, args)[0]
     if "rctp" in needed:
         world.model.load_state_dict(base, strict=False)
         rctp_trajectories, n_failures = build_rctp_data(world, world.train, args)
         supervised_finetune(
-            world, stage1_units(rctp_trajectories, args), epochs=args.rctp_epochs, lr=args.sft_lr,
-            batch=args.sft_batch, seed=args.seed, token_budget=args.micro_batch_tokens,
-            precision=args.mixed_precision)
+            world,
+            stage1_units(rctp_trajectories, args),
+            epochs=args.rctp_epochs,
+            lr=args.sft_lr,
+            batch=args.sft_batch,
+            seed=args.seed,
+            token_budget=args.micro_batch_tokens,
+            precision=args.mixed_precision,
+        )
         tensors |= {f"rctp/{k}": v for k, v in trained_weights().items()}
         high, low = (evaluate(world, world.test, t, args)[0] for t in (HIGH, LOW))
         summary |= {"rctp_accuracy": high, "token_gap": high - low, "rctp_failures": n_failures}
@@ -552,7 +647,8 @@ def train(args):
         world, base_data = bfcl_toy.build_toy(args, device, REWARD_TOKENS)
     world.train, world.test = (bfcl.select_entries(e, args) for e in (world.train, world.test))
     cli.check_args(
-        [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")])
+        [(world.train and world.test, "no train or no test task left after --tasks/--max-tasks")]
+    )
     out_dir = Path(args.out_dir)
     rare_test = [e for e in world.test if e.get("rare")]
     # Stage 1 runs once, on rank 0, into out_dir/stage1.safetensors (atomic); every rank loads that
@@ -576,29 +672,39 @@ def train(args):
         use_tokens = init == "rctp" or algo == "rc-grpo"
         common.seed_everything(args.seed)
         result, run = grpo_arm(
-            args, world, arm, use_tokens=use_tokens, reward_conditioned=algo == "rc-grpo",
-            out_dir=out_dir, accelerator=accelerator)
+            args,
+            world,
+            arm,
+            use_tokens=use_tokens,
+            reward_conditioned=algo == "rc-grpo",
+            out_dir=out_dir,
+            accelerator=accelerator,
+        )
         token = HIGH if use_tokens else None
         # every rank evaluates its share
         result["accuracy"], result["bfcl_accuracy"] = evaluate(
-            world, world.test, token, args, accelerator=accelerator)
+            world, world.test, token, args, accelerator=accelerator
+        )
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
             rare = evaluate(world, rare_test, token, args, accelerator=accelerator)
             result["rare_accuracy"] = rare[0]
             sampled = evaluate(
-                world, world.test, token, args, temperature=1.0, accelerator=accelerator)
+                world, world.test, token, args, temperature=1.0, accelerator=accelerator
+            )
             result["sampled_accuracy"] = sampled[0]
         # what the same weights do when asked for a low reward (not used for the result)
         if use_tokens:
             low = evaluate(world, world.test, LOW, args, accelerator=accelerator)
             result["accuracy_under_low_token"] = low[0]
         shown.append(
-            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), limits))
+            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), limits)
+        )
         summary[arm] = run.finish(
             result,
             [
                 ("zero_var.png", ["zero_var_frac"], f"{arm}: zero-variance fraction"),
-                ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward")],
+                ("reward.png", ["reward", "success_high", "success_low"], f"{arm}: reward"),
+            ],
         )
         curves[arm] = [(r["step"], r["zero_var_frac"]) for r in run.records]
         if (args.model or args.lora_rank) and accelerator.is_main_process:
@@ -608,17 +714,24 @@ def train(args):
             policy.save_pretrained(out_dir / arm / "policy")
             world.tokenizer.save_pretrained(out_dir / arm / "policy")
     summary |= {
-        "test_tasks": len(world.test), "wall_seconds": round(time.time() - start, 2),
+        "test_tasks": len(world.test),
+        "wall_seconds": round(time.time() - start, 2),
         "sampler_logprob_max_dev": max(summary[a]["sampler_logprob_max_dev"] for a in arms),
-        "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms)}
+        "peak_rss_mb": max(summary[a]["peak_rss_mb"] for a in arms),
+    }
     if {"sft+grpo", "rctp+rc-grpo"} <= set(arms):  # the row of `make demo`'s table
-        summary["claim"] = {"text": "RC-GRPO: zero-var. fraction, SFT+GRPO → RCTP+RC",
-                            "before": summary["sft+grpo"]["zero_variance_fraction"],
-                            "after": summary["rctp+rc-grpo"]["zero_variance_fraction"]}
+        summary["claim"] = {
+            "text": "RC-GRPO: zero-var. fraction, SFT+GRPO → RCTP+RC",
+            "before": summary["sft+grpo"]["zero_variance_fraction"],
+            "after": summary["rctp+rc-grpo"]["zero_variance_fraction"],
+        }
     if accelerator.is_main_process:
         tracking.plot_curves(
-            curves, out_dir / "zero_variance.png", title="zero-variance fraction per GRPO step",
-            ylabel="fraction")
+            curves,
+            out_dir / "zero_variance.png",
+            title="zero-variance fraction per GRPO step",
+            ylabel="fraction",
+        )
         tracking.write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
         (out_dir / "rollouts.txt").write_text("\n\n".join(shown) + "\n")
     if not args.quiet:
@@ -631,7 +744,8 @@ if __name__ == "__main__":
     if args.seeds:
         sweep_dir = f"{args.out_dir}-sweep"
         sweep.seed_sweep(
-            train, args, [("", {})], bfcl_toy.sweep_row, bfcl_toy.claim_holds, sweep_dir)
+            train, args, [("", {})], bfcl_toy.sweep_row, bfcl_toy.claim_holds, sweep_dir
+        )
     else:
         summary = train(args)
         if distributed.is_rank_zero():  # one final JSON, not one per rank

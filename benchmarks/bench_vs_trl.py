@@ -40,14 +40,36 @@ WARMUP = 2  # untimed steps first, on every side
 def case(model="smollm2", steps=4):
     """The preset's args (`steps` timed steps after WARMUP), and its task: prompts and reward."""
     out_dir = tempfile.mkdtemp(prefix="bench_vs_trl_")
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--preset", "smollm2-addition", "--algo", "grpo", "--model", model, "--lr", str(LR),
-        "--steps", str(steps + WARMUP), "--eval-every", "1000", "--save-every", "0", "--device",
-        "cpu", "--quiet", "--out-dir", out_dir])
+    args = cli.parse_args(
+        flowrl.Args,
+        flowrl.PRESETS,
+        [
+            "--preset",
+            "smollm2-addition",
+            "--algo",
+            "grpo",
+            "--model",
+            model,
+            "--lr",
+            str(LR),
+            "--steps",
+            str(steps + WARMUP),
+            "--eval-every",
+            "1000",
+            "--save-every",
+            "0",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            out_dir,
+        ],
+    )
     tokenizer, model, task = flowrl_tasks.build_laptop(args, torch.device("cpu"))
     prompts = task.prompts[: args.prompts_per_step]
-    return dict(args=args, steps=steps, tokenizer=tokenizer, model=model, task=task,
-                prompts=prompts)
+    return dict(
+        args=args, steps=steps, tokenizer=tokenizer, model=model, task=task, prompts=prompts
+    )
 
 
 def ours(bench):
@@ -120,15 +142,31 @@ def trl(bench):
 
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=len(bench["prompts"]) * args.group_size,
-            num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-            max_steps=steps + WARMUP, learning_rate=LR, beta=0.0, temperature=1.0, num_iterations=1,
-            gradient_accumulation_steps=1, logging_steps=1000, save_strategy="no", report_to=[],
-            use_cpu=True, bf16=False, seed=0)
+            output_dir=out,
+            per_device_train_batch_size=len(bench["prompts"]) * args.group_size,
+            num_generations=args.group_size,
+            max_completion_length=args.max_new_tokens,
+            max_steps=steps + WARMUP,
+            learning_rate=LR,
+            beta=0.0,
+            temperature=1.0,
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            logging_steps=1000,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+        )
         trainer = GRPOTrainer(
-            model=model, reward_funcs=reward, args=config,
+            model=model,
+            reward_funcs=reward,
+            args=config,
             train_dataset=Dataset.from_dict({"prompt": bench["prompts"] * (steps + WARMUP)}),
-            processing_class=bench["tokenizer"], callbacks=[Clock()])
+            processing_class=bench["tokenizer"],
+            callbacks=[Clock()],
+        )
         trainer.train()
     step = (stamps[-1] - stamps[WARMUP - 1]) / steps
     if "transformers.generate" not in phases:
@@ -147,12 +185,15 @@ def compare(bench, with_trl=True):
         "samples_per_step": len(bench["prompts"]) * bench["args"].group_size,
         "ours_s": {k: round(v, 3) for k, v in mine.items()},
         "floor_s": {k: round(v, 3) for k, v in least.items()},
-        "ours_over_floor": round(total(mine) / total(least), 3)}
+        "ours_over_floor": round(total(mine) / total(least), 3),
+    }
     if with_trl:
         theirs = trl(bench)
-        result |= {"trl_s": {k: round(v, 3) for k, v in theirs.items()},
-                   "trl_over_ours": round(total(theirs) / total(mine), 2),
-                   "trl_over_floor": round(total(theirs) / total(least), 3)}
+        result |= {
+            "trl_s": {k: round(v, 3) for k, v in theirs.items()},
+            "trl_over_ours": round(total(theirs) / total(mine), 2),
+            "trl_over_floor": round(total(theirs) / total(least), 3),
+        }
     return result
 
 

@@ -44,8 +44,18 @@ def epoch_costs(train_steps, epochs=20):
                 flow_grpo.Args,
                 flow_grpo.PRESETS,
                 [
-                    "--quiet", "--epochs", str(epochs), "--eval-every", "1000", "--eval-per-prompt",
-                    "2", "--train-steps", str(train_steps), "--out-dir", tmp],
+                    "--quiet",
+                    "--epochs",
+                    str(epochs),
+                    "--eval-every",
+                    "1000",
+                    "--eval-per-prompt",
+                    "2",
+                    "--train-steps",
+                    str(train_steps),
+                    "--out-dir",
+                    tmp,
+                ],
             )
             flow_grpo.train(args)
             secs = [
@@ -60,8 +70,11 @@ def epoch_costs(train_steps, epochs=20):
     # the first and last calls score the evaluations
     reward = sum(rewards[3:-1]) / (len(rewards) - 4)
     return {
-        "epoch": round(epoch, 4), "rollout": round(rollout, 4), "reward": round(reward, 4),
-        "update": round(epoch - rollout - reward, 4)}
+        "epoch": round(epoch, 4),
+        "rollout": round(rollout, 4),
+        "reward": round(reward, 4),
+        "update": round(epoch - rollout - reward, 4),
+    }
 
 
 def final_quality(train_steps, seed):
@@ -73,27 +86,40 @@ def final_quality(train_steps, seed):
             flow_grpo.Args,
             flow_grpo.PRESETS,
             [
-                "--quiet", "--train-steps", str(train_steps), "--seed", str(seed), "--eval-every",
-                "1000", "--out-dir", tmp],
+                "--quiet",
+                "--train-steps",
+                str(train_steps),
+                "--seed",
+                str(seed),
+                "--eval-every",
+                "1000",
+                "--out-dir",
+                tmp,
+            ],
         )
         summary = flow_grpo.train(args)
     return {
         "accuracy_after": round(summary["accuracy_after"], 3),
-        "reward_after": round(summary["reward_after"], 3), "wall_seconds": summary["wall_seconds"]}
+        "reward_after": round(summary["reward_after"], 3),
+        "wall_seconds": summary["wall_seconds"],
+    }
 
 
 if __name__ == "__main__":
     fast, full = epoch_costs(10), epoch_costs(40)
     print(
         json.dumps(
-            {"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)})
+            {"10_steps": fast, "40_steps": full, "ratio": round(full["epoch"] / fast["epoch"], 2)}
+        )
     )
     for seed in (0, 1):
         print(
             json.dumps(
                 {
-                    "seed": seed, "final_10_steps": final_quality(10, seed),
-                    "final_40_steps": final_quality(40, seed)}
+                    "seed": seed,
+                    "final_10_steps": final_quality(10, seed),
+                    "final_40_steps": final_quality(40, seed),
+                }
             ),
             flush=True,
         )

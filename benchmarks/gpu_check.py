@@ -29,6 +29,7 @@ row's KV cache so far, padded to the longest prompt: one `generate` call per ste
 peak GPU memory allocated and reserved (the caching allocator's), for the run and per phase
 (`phase_peaks`), against the plan.
 """
+
 import argparse
 import contextlib
 import gc
@@ -60,46 +61,107 @@ from utils import cli, distributed, models, tracking  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets halve their sparsity figures), by a part of the
 # name torch reports, the more specific first: the PCIe and NVL cards clock lower than the SXM ones.
-PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12,
-                   "H100": 989e12, "A100": 312e12}
+PEAK_BF16_FLOPS = {
+    "H200 NVL": 835e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
 QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
     "qwen2.5-1.5b": dict(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "qwen2.5-7b": dict(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
     "tiny": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=2048, tie_word_embeddings=True),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=2048,
+        tie_word_embeddings=True,
+    ),
 }
 SD3 = {  # SD3.5-Medium's transformer and VAE as published; its text encoders cut to one layer
     "sd3.5-medium": dict(
         transformer=dict(
-            sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
         vae=dict(
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
-            norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
-            use_quant_conv=False, use_post_quant_conv=False),
-        clip_widths=(768, 1280), t5_width=4096),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2,
+            latent_channels=16,
+            norm_num_groups=32,
+            sample_size=1024,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        clip_widths=(768, 1280),
+        t5_width=4096,
+    ),
     "tiny": dict(
         transformer=dict(
-            sample_size=16, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-            num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-            pooled_projection_dim=64, out_channels=4),
+            sample_size=16,
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            caption_projection_dim=32,
+            pooled_projection_dim=64,
+            out_channels=4,
+        ),
         vae=dict(
-            down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-            block_out_channels=(4,), latent_channels=4, norm_num_groups=1, sample_size=32,
-            scaling_factor=1.5035, shift_factor=0.0609),
-        clip_widths=(32, 32), t5_width=32),
+            down_block_types=("DownEncoderBlock2D",),
+            up_block_types=("UpDecoderBlock2D",),
+            block_out_channels=(4,),
+            latent_channels=4,
+            norm_num_groups=1,
+            sample_size=32,
+            scaling_factor=1.5035,
+            shift_factor=0.0609,
+        ),
+        clip_widths=(32, 32),
+        t5_width=32,
+    ),
 }
 CHAT_TEMPLATE = (  # the word-level tokenizer's: each message as "role: content", then the reply
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}")
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 WORDS = [f"w{i}" for i in range(1000)]
 
 
@@ -131,22 +193,41 @@ def sd3_pipeline(parts, device, dtype, folder):
 
     tokenizer = models.letter_clip_tokenizer(folder)
     ids = dict(vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    clip = lambda width: CLIPTextModelWithProjection(CLIPTextConfig(
-        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1,
-        num_attention_heads=width // 64 or 4, max_position_embeddings=77, projection_dim=width,
-        **ids))
+    clip = lambda width: CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=1,
+            num_attention_heads=width // 64 or 4,
+            max_position_embeddings=77,
+            projection_dim=width,
+            **ids,
+        )
+    )
     t5_width = parts["t5_width"]
     with device:
         clip_l, clip_g = (clip(width) for width in parts["clip_widths"])
-        t5 = T5EncoderModel(T5Config(
-            vocab_size=len(tokenizer), d_model=t5_width, d_kv=64 if t5_width >= 64 else 8,
-            d_ff=t5_width * 5 // 2, num_layers=1, num_heads=max(4, t5_width // 64)))
+        t5 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer),
+                d_model=t5_width,
+                d_kv=64 if t5_width >= 64 else 8,
+                d_ff=t5_width * 5 // 2,
+                num_layers=1,
+                num_heads=max(4, t5_width // 64),
+            )
+        )
         pipe = StableDiffusion3Pipeline(
             transformer=SD3Transformer2DModel(**parts["transformer"]),
             vae=AutoencoderKL(in_channels=3, out_channels=3, **parts["vae"]),
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clip_l,
-            tokenizer=tokenizer, text_encoder_2=clip_g, tokenizer_2=tokenizer, text_encoder_3=t5,
-            tokenizer_3=tokenizer)
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            text_encoder=clip_l,
+            tokenizer=tokenizer,
+            text_encoder_2=clip_g,
+            tokenizer_2=tokenizer,
+            text_encoder_3=t5,
+            tokenizer_3=tokenizer,
+        )
     return pipe.to(dtype)
 
 
@@ -189,14 +270,17 @@ def random_weights(device, llm=None, sd3=None, eos_hazard=None):
 
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         patch = lambda owner, builder: stack.enter_context(
-            mock.patch.object(owner, "from_pretrained", builder))
+            mock.patch.object(owner, "from_pretrained", builder)
+        )
         patch(AutoTokenizer, lambda *args, **kwargs: word_tokenizer())
         patch(AutoModelForCausalLM, causal_lm)
         if sd3:
             from diffusers import StableDiffusion3Pipeline
 
-            patch(StableDiffusion3Pipeline,
-                  lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder))
+            patch(
+                StableDiffusion3Pipeline,
+                lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder),
+            )
         yield counts
 
 
@@ -211,10 +295,12 @@ def no_policy_written():
     def skip(*args, **kwargs):
         return None
 
-    with mock.patch.object(models, "merged_fp32", lambda model: model), \
-            mock.patch.object(distributed, "full_weights", lambda model: None), \
-            mock.patch.object(PreTrainedModel, "save_pretrained", skip), \
-            mock.patch.object(PeftModel, "save_pretrained", skip):
+    with (
+        mock.patch.object(models, "merged_fp32", lambda model: model),
+        mock.patch.object(distributed, "full_weights", lambda model: None),
+        mock.patch.object(PreTrainedModel, "save_pretrained", skip),
+        mock.patch.object(PeftModel, "save_pretrained", skip),
+    ):
         yield
 
 
@@ -230,8 +316,10 @@ def phase_peaks(device, counts=None):
     peaks = {"run": [0.0, 0.0]} if cuda else {}
 
     def fold(name):
-        read = [torch.cuda.max_memory_allocated(device) / 2**30,
-                torch.cuda.max_memory_reserved(device) / 2**30]
+        read = [
+            torch.cuda.max_memory_allocated(device) / 2**30,
+            torch.cuda.max_memory_reserved(device) / 2**30,
+        ]
         for key in (name, "run"):
             peaks[key] = [max(a, b) for a, b in zip(peaks.get(key, [0.0, 0.0]), read)]
         torch.cuda.reset_peak_memory_stats(device)
@@ -263,8 +351,11 @@ def brightness(images, prompts):
 def second_step(script, argv, out_dir, device, metrics="metrics.jsonl", counts=None):
     """Run `script.train` on `argv` parsed as the script does (two steps) → (the second step's
     logged metrics, out_dir/`metrics`, and `phase_peaks`' record)."""
-    args = cli.parse_args(script.Args, script.PRESETS, [
-        *argv, "--save-every", "0", "--quiet", "--overwrite", "--out-dir", str(out_dir)])
+    args = cli.parse_args(
+        script.Args,
+        script.PRESETS,
+        [*argv, "--save-every", "0", "--quiet", "--overwrite", "--out-dir", str(out_dir)],
+    )
     with phase_peaks(device, counts) as peaks:
         script.train(args)
     lines = (Path(out_dir) / metrics).read_text().splitlines()
@@ -277,8 +368,9 @@ def update_flops(config, record, passes, lora):
     the completion positions only (`passes` over the generated tokens); the embedding is a lookup.
     ×6 for a full fine-tune (forward, input and weight gradients), ×4 under LoRA."""
     head = config["vocab_size"] * config["hidden_size"]
-    multiply_adds = (matmul_params(config) * record["tokens_update"]
-                     + head * record["tokens_rollout"] * passes)
+    multiply_adds = (
+        matmul_params(config) * record["tokens_update"] + head * record["tokens_rollout"] * passes
+    )
     return (4 if lora else 6) * multiply_adds
 
 
@@ -296,17 +388,22 @@ def figures(record, peaks, flops_done, device):
     run = peaks.get("run", [None, None])
     result = {
         "rollout_s": round(record["time_rollout"], 2),
-        "prepare_s": round(record["time_prepare"], 2), "update_s": round(record["time_update"], 2),
+        "prepare_s": round(record["time_prepare"], 2),
+        "update_s": round(record["time_update"], 2),
         "peak_gpu_gib": round(run[0], 2) if run[0] is not None else None,
         "peak_reserved_gib": round(run[1], 2) if run[1] is not None else None,
-        "phase_peak_gib": {phase: [round(gib, 2) for gib in peak] for phase, peak in peaks.items()
-                           if phase not in ("run", "decode_steps")}}
+        "phase_peak_gib": {
+            phase: [round(gib, 2) for gib in peak]
+            for phase, peak in peaks.items()
+            if phase not in ("run", "decode_steps")
+        },
+    }
     if "tokens_update" in record:
         result |= {
             "rollout_tokens_per_s": round(record["tokens_rollout"] / record["time_rollout"], 1),
             "update_tokens_per_s": round(record["tokens_update"] / record["time_update"], 1),
-            "update_mfu": round(flops_done / record["time_update"] / flops, 4) if flops
-            else None}
+            "update_mfu": round(flops_done / record["time_update"] / flops, 4) if flops else None,
+        }
     return result
 
 
@@ -314,8 +411,12 @@ def prompt_file(folder, lengths):
     """A --data file of math-style rows whose prompts are `lengths` words long (WORDS in turn)."""
     data = Path(folder) / "prompts.jsonl"
     words = WORDS * (max(lengths) // len(WORDS) + 1)
-    data.write_text("".join(json.dumps({"prompt": " ".join(words[i : i + n]), "answer": "1"})
-                            + "\n" for i, n in enumerate(lengths)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(words[i : i + n]), "answer": "1"}) + "\n"
+            for i, n in enumerate(lengths)
+        )
+    )
     return data
 
 
@@ -336,9 +437,25 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         lengths = [n // 16 for n in lengths]
         extra = ["--max-new-tokens", "8", "--micro-batch-tokens", "128", "--device", "cpu"]
     data = prompt_file(out_dir, lengths)
-    argv = ["--preset", preset, "--model", "qwen2.5-1.5b", "--data", str(data), "--steps", "2",
-            "--total-epochs", "0", "--prompts-per-step", str(rows), "--minibatches",
-            str(minibatches), "--eval-every", "1000", *extra]
+    argv = [
+        "--preset",
+        preset,
+        "--model",
+        "qwen2.5-1.5b",
+        "--data",
+        str(data),
+        "--steps",
+        "2",
+        "--total-epochs",
+        "0",
+        "--prompts-per-step",
+        str(rows),
+        "--minibatches",
+        str(minibatches),
+        "--eval-every",
+        "1000",
+        *extra,
+    ]
     micro_batch_tokens = flowrl.PRESETS[preset]["micro_batch_tokens"]
     units, original = [], distributed.shard  # FSDP units per sharded model (the policy, π_ref)
 
@@ -349,16 +466,28 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         units.append(sum(isinstance(m, FSDPModule) for m in model.modules()))
         return sharded
 
-    with random_weights(device, llm=config, eos_hazard=math.log(4) / new_tokens) as counts, \
-            no_policy_written(), mock.patch.object(flowrl.distributed, "shard", shard):
+    with (
+        random_weights(device, llm=config, eos_hazard=math.log(4) / new_tokens) as counts,
+        no_policy_written(),
+        mock.patch.object(flowrl.distributed, "shard", shard),
+    ):
         record, peaks = second_step(flowrl, argv, Path(out_dir) / "run", device, counts=counts)
     params, _ = param_counts(config)
-    result = {"job": f"flowrl --preset {preset}" + (" --fsdp on 1 rank" if fsdp else ""),
-              "params": params, "prompt_words": [min(lengths), max(lengths)], "fsdp_units": units,
-              "max_new_tokens": new_tokens}
+    result = {
+        "job": f"flowrl --preset {preset}" + (" --fsdp on 1 rank" if fsdp else ""),
+        "params": params,
+        "prompt_words": [min(lengths), max(lengths)],
+        "fsdp_units": units,
+        "max_new_tokens": new_tokens,
+    }
     if not fsdp:
-        plan = full_plan(config, gen_rows=8 * rows, prompt_tokens=max(lengths) + 10,
-                         new_tokens=new_tokens, micro_batch_tokens=micro_batch_tokens)
+        plan = full_plan(
+            config,
+            gen_rows=8 * rows,
+            prompt_tokens=max(lengths) + 10,
+            new_tokens=new_tokens,
+            micro_batch_tokens=micro_batch_tokens,
+        )
         result["plan_total_gib"] = max(in_gib(phase)["total"] for phase in plan.values())
     passes = flowrl.PRESETS[preset].get("inner_steps", flowrl.Args.inner_steps)
     result |= figures(record, peaks, update_flops(config, record, passes, lora=False), device)
@@ -387,16 +516,24 @@ def flowrl_fsdp_job(tiny, device, out_dir):
     256 new tokens (the preset: 512 prompts in 16 mini-batches, 8192). One rank's collectives are
     local: this checks FSDP2's code path, streams and memory on a GPU, not the interconnect."""
     if os.environ.get("WORLD_SIZE") != "1":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node", "1", __file__, "--fsdp-job", *(["--tiny"] if tiny else [])]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            __file__,
+            "--fsdp-job",
+            *(["--tiny"] if tiny else []),
+        ]
         try:  # a failure is the job's line, and rc_grpo's job still runs
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
             return {"job": "flowrl --preset full-7b --fsdp on 1 rank", "error": "over 300 s"}
         rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not rows:
-            return {"job": "flowrl --preset full-7b --fsdp on 1 rank",
-                    "error": done.stderr[-2000:]}
+            return {"job": "flowrl --preset full-7b --fsdp on 1 rank", "error": done.stderr[-2000:]}
         return json.loads(rows[-1])
     return flowrl_run(tiny, device, out_dir, "full-7b", fsdp=True)
 
@@ -415,16 +552,43 @@ def rc_grpo_job(tiny, device, out_dir):
     config, new_tokens, extra = QWEN["qwen2.5-7b"], rc_grpo.PRESETS["bfcl"]["max_new_tokens"], []
     if tiny:
         config, new_tokens = QWEN["tiny"], 8
-        extra = ["--max-new-tokens", "8", "--max-steps", "2", "--docs", "needed",
-                 "--system-prompt", "short", "--device", "cpu"]
-    argv = ["--preset", "bfcl", "--model", "qwen2.5-7b", "--max-tasks", "2", "--max-turns", "2",
-            "--steps", "2", "--tasks-per-step", "2", "--rctp-epochs", "1", *extra]
+        extra = [
+            "--max-new-tokens",
+            "8",
+            "--max-steps",
+            "2",
+            "--docs",
+            "needed",
+            "--system-prompt",
+            "short",
+            "--device",
+            "cpu",
+        ]
+    argv = [
+        "--preset",
+        "bfcl",
+        "--model",
+        "qwen2.5-7b",
+        "--max-tasks",
+        "2",
+        "--max-turns",
+        "2",
+        "--steps",
+        "2",
+        "--tasks-per-step",
+        "2",
+        "--rctp-epochs",
+        "1",
+        *extra,
+    ]
     with random_weights(device, llm=config, eos_hazard=8 / new_tokens), no_policy_written():
         record, peaks = second_step(
-            rc_grpo, argv, Path(out_dir) / "run", device, metrics="rctp+rc-grpo/metrics.jsonl")
+            rc_grpo, argv, Path(out_dir) / "run", device, metrics="rctp+rc-grpo/metrics.jsonl"
+        )
     params, _ = param_counts(config)
     return {"job": "rc_grpo --preset bfcl", "params": params} | figures(
-        record, peaks, update_flops(config, record, 1, lora=True), device)
+        record, peaks, update_flops(config, record, 1, lora=True), device
+    )
 
 
 def flow_grpo_job(tiny, device, out_dir):
@@ -437,14 +601,31 @@ def flow_grpo_job(tiny, device, out_dir):
         extra = ["--resolution", "16", "--eval-steps", "2", "--device", "cpu"]
     prompts = Path(out_dir) / "prompts.txt"
     prompts.write_text("a red cat\na blue dog\na green bird\na cup\n")
-    argv = ["--preset", "sd3", "--model", "sd3.5-medium", "--reward", "__main__:brightness",
-            "--prompts", str(prompts), "--eval-prompts", str(prompts), "--epochs", "2",
-            "--prompts-per-epoch", "2", "--eval-every", "1000", *extra]
+    argv = [
+        "--preset",
+        "sd3",
+        "--model",
+        "sd3.5-medium",
+        "--reward",
+        "__main__:brightness",
+        "--prompts",
+        str(prompts),
+        "--eval-prompts",
+        str(prompts),
+        "--epochs",
+        "2",
+        "--prompts-per-epoch",
+        "2",
+        "--eval-every",
+        "1000",
+        *extra,
+    ]
     with random_weights(device, sd3=parts):
         record, peaks = second_step(flow_grpo, argv, Path(out_dir) / "run", device)
     images = 2 * 8
     result = {"job": "flow_grpo --preset sd3", "images": images} | figures(
-        record, peaks, None, device)
+        record, peaks, None, device
+    )
     result["rollout_images_per_s"] = round(images / record["time_rollout"], 3)
     result["update_images_per_s"] = round(images / record["time_update"], 3)
     return result
@@ -458,9 +639,11 @@ def real_llm_plans():
     larger = lambda phases: max(map(in_gib, phases.values()), key=lambda gib: gib["total"])
     return {
         "flowrl full-7b (qwen2.5-7b, fsdp, per gpu of 8)": {
-            phase: in_gib(terms) for phase, terms in plans["flowrl full-7b"].items()},
+            phase: in_gib(terms) for phase, terms in plans["flowrl full-7b"].items()
+        },
         "flowrl full (qwen2.5-1.5b)": larger(plans["flowrl full"]),
-        "rc_grpo bfcl (qwen2.5-7b + lora)": larger(plans["rc_grpo bfcl"])}
+        "rc_grpo bfcl (qwen2.5-7b + lora)": larger(plans["rc_grpo bfcl"]),
+    }
 
 
 def main():
@@ -478,7 +661,8 @@ def main():
     if not args.tiny and not torch.cuda.is_available():  # else the full-size jobs run on the CPU
         raise SystemExit(
             f"error: torch {torch.__version__} sees no CUDA GPU: run this on the GPU machine, or "
-            "pass --tiny for the same code at tiny sizes on the CPU")
+            "pass --tiny for the same code at tiny sizes on the CPU"
+        )
     device = torch.device("cpu") if args.tiny else distributed.setup_accelerator("auto")[1]
     jobs = (flowrl_job, flow_grpo_job, flowrl_fsdp_job, rc_grpo_job)  # the longest last
     if args.fsdp_job:  # flowrl_fsdp_job's own process, one rank under torchrun

@@ -34,24 +34,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GIB = 2**30
 QWEN = {  # published configs (Qwen2Config keyword arguments)
     "qwen2.5-1.5b": dict(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "qwen2.5-7b": dict(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 # SD3.5-Medium's transformer (diffusers' SD3Transformer2DModel config, as published)
 SD3_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
 # Parameters: the transformer and its LoRA r 32 on SD3_LORA_TARGETS (envs/sd3.py), counted from
 # SD3_MEDIUM built on the meta device with diffusers 0.42; the other parts' published sizes: CLIP-L
 # and CLIP-G with projections, T5-XXL's encoder, the 16-channel VAE, PickScore (a CLIP-H/14)
 SD3_TRANSFORMER, SD3_LORA_R32 = 2_243_171_520, 18_776_064
-SD3_PARTS = {"clip_l": 123_650_304, "clip_g": 694_659_840, "t5_xxl": 4_762_310_656,
-             "vae": 83_653_863, "pickscore": 986_109_441}
+SD3_PARTS = {
+    "clip_l": 123_650_304,
+    "clip_g": 694_659_840,
+    "t5_xxl": 4_762_310_656,
+    "vae": 83_653_863,
+    "pickscore": 986_109_441,
+}
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -59,8 +86,9 @@ SD3_PARTS = {"clip_l": 123_650_304, "clip_g": 694_659_840, "t5_xxl": 4_762_310_6
 
 def shape_of(config):
     """(hidden h, layers, intermediate I, vocabulary V, key/value width kv·d) of a Qwen2 config."""
-    h, layers, inter, vocab = (config[k] for k in (
-        "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    h, layers, inter, vocab = (
+        config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    )
     kv_width = config["num_key_value_heads"] * (h // config["num_attention_heads"])
     return h, layers, inter, vocab, kv_width
 
@@ -100,10 +128,18 @@ def kv_bytes_per_token(config, dtype_bytes=2):
 # other shapes. "fp32": fp32 master weights under autocast (the residual stream in fp32); "bf16": a
 # bf16 base or FSDP's bf16 gathers; "lora", "lora2": a bf16 base with one LoRA adapter, or two
 # stacked (rc_grpo's stage 2), on every linear layer.
-PREFILL_MLP = {"fp32": (6.0, 24.25), "bf16": (6.0, 13.25), "lora": (8.0, 13.25),
-               "lora2": (8.0, 13.25)}  # (× I, × h)
-LAYER_RECOMPUTE = {"fp32": (12.0, 34.0), "bf16": (12.0, 34.0), "lora": (14.0, 38.0),
-                   "lora2": (18.0, 30.6)}
+PREFILL_MLP = {
+    "fp32": (6.0, 24.25),
+    "bf16": (6.0, 13.25),
+    "lora": (8.0, 13.25),
+    "lora2": (8.0, 13.25),
+}  # (× I, × h)
+LAYER_RECOMPUTE = {
+    "fp32": (12.0, 34.0),
+    "bf16": (12.0, 34.0),
+    "lora": (14.0, 38.0),
+    "lora2": (18.0, 30.6),
+}
 STREAM_BYTES = {"fp32": 4, "bf16": 2, "lora": 2, "lora2": 2}  # the residual stream's element
 LOGIT_BYTES = 18  # per completion logit: bf16 logits, their fp32 copy, that copy's gradient
 
@@ -120,11 +156,16 @@ def rollout_terms(config, rows, prompt_tokens, new_tokens, kind, padded=True):
     per_inter, per_hidden = PREFILL_MLP[kind]
     prompt = rows * prompt_tokens
     mask = rows * prompt_tokens**2 if padded else 0
-    prefill = {"kv_cache_prompts": prompt * kv_bytes_per_token(config),
-               "prefill_mlp": prompt * (per_inter * inter + per_hidden * h), "padding_mask": mask}
+    prefill = {
+        "kv_cache_prompts": prompt * kv_bytes_per_token(config),
+        "prefill_mlp": prompt * (per_inter * inter + per_hidden * h),
+        "padding_mask": mask,
+    }
     total = rows * (prompt_tokens + new_tokens)
-    decode = {"kv_cache": total * kv_bytes_per_token(config),
-              "cache_growth_copy": total * kv_bytes_per_token(config) // layers}
+    decode = {
+        "kv_cache": total * kv_bytes_per_token(config),
+        "cache_growth_copy": total * kv_bytes_per_token(config) // layers,
+    }
     return prefill if sum(prefill.values()) > sum(decode.values()) else decode
 
 
@@ -150,25 +191,41 @@ def log_z_head_params(config):
     return 2 * (h * h + h) + 2 * 2 * h + h + 1
 
 
-def full_plan(config, *, gen_rows, prompt_tokens, new_tokens, micro_batch_tokens,
-              completion_positions=None):
+def full_plan(
+    config, *, gen_rows, prompt_tokens, new_tokens, micro_batch_tokens, completion_positions=None
+):
     """A full fine-tune on one GPU (flowrl --preset full), {phase: {term: bytes}}: fp32 master
     weights, an fp32 copy as π_ref (flowrl.py deep-copies the model), fp32 gradients (held from the
     last mini-batch's backward through the next rollout: zero_grad comes at the next update),
     AdamW's two fp32 moments, autocast's bf16 copies of the matmul weights (cached for the forward
     or the whole `generate` call), and log Z's head with its gradients and moments."""
     params, _ = param_counts(config)
-    state = {"weights": 4 * params, "reference": 4 * params, "grads": 4 * params,
-             "adam": 8 * params, "autocast_weights": 2 * matmul_params(config),
-             "log_z_head": 16 * log_z_head_params(config)}
+    state = {
+        "weights": 4 * params,
+        "reference": 4 * params,
+        "grads": 4 * params,
+        "adam": 8 * params,
+        "autocast_weights": 2 * matmul_params(config),
+        "log_z_head": 16 * log_z_head_params(config),
+    }
     positions = completion_positions or micro_batch_tokens
     return {
         "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "fp32"),
-        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, "fp32")}
+        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, "fp32"),
+    }
 
 
-def fsdp_plan(config, gpus, *, gen_rows, prompt_tokens, new_tokens, micro_batch_tokens,
-              completion_positions=None, accumulate_unsharded=True):
+def fsdp_plan(
+    config,
+    gpus,
+    *,
+    gen_rows,
+    prompt_tokens,
+    new_tokens,
+    micro_batch_tokens,
+    completion_positions=None,
+    accumulate_unsharded=True,
+):
     """A full fine-tune sharded over `gpus` (flowrl --fsdp), per GPU: {phase: {term: bytes}}.
 
     load: every rank builds the whole fp32 model on its device and deep-copies it for π_ref before
@@ -183,41 +240,68 @@ def fsdp_plan(config, gpus, *, gen_rows, prompt_tokens, new_tokens, micro_batch_
     h, layers, inter, vocab, kv_width = shape_of(config)
     layer = 2 * h * h + 2 * h * kv_width + 3 * h * inter
     root = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    shards = {"weights_shard": 4 * params / gpus, "grads_shard": 4 * params / gpus,
-              "adam_shard": 8 * params / gpus, "reference_shard": 2 * params / gpus,
-              "log_z_head": 16 * log_z_head_params(config)}
+    shards = {
+        "weights_shard": 4 * params / gpus,
+        "grads_shard": 4 * params / gpus,
+        "adam_shard": 8 * params / gpus,
+        "reference_shard": 2 * params / gpus,
+        "log_z_head": 16 * log_z_head_params(config),
+    }
     positions = completion_positions or micro_batch_tokens
     # while sync is off the sharded gradients are None (zero_grad); the last backward turns the
     # unsharded ones into them layer by layer, so the two are not held whole at once
-    kept = {"unsharded_fp32_grads": 4 * params} if accumulate_unsharded else {
-        "grads_shard": 4 * params / gpus}
+    kept = (
+        {"unsharded_fp32_grads": 4 * params}
+        if accumulate_unsharded
+        else {"grads_shard": 4 * params / gpus}
+    )
     micro = micro_batch_terms(config, micro_batch_tokens, positions, "bf16")
     # gathered in bf16: at the logits' moment (the backward's start) the root unit only; at a
     # layer's recompute also that layer and the next (prefetched), and the layer's bf16 gradients
-    gathered = {"root_gathered": 2 * root} if "logits" in micro else {
-        "root_and_two_layers": 2 * (root + 2 * layer), "layer_grads": 2 * layer}
+    gathered = (
+        {"root_gathered": 2 * root}
+        if "logits" in micro
+        else {"root_and_two_layers": 2 * (root + 2 * layer), "layer_grads": 2 * layer}
+    )
     update = {k: v for k, v in shards.items() if k != "grads_shard"} | kept | gathered | micro
     return {
         "load": {"policy_fp32": 4 * params, "reference_fp32": 4 * params},
-        "rollout": shards | {"gathered_policy": 2 * params} | rollout_terms(
-            config, gen_rows, prompt_tokens, new_tokens, "bf16"),
-        "update": update}
+        "rollout": shards
+        | {"gathered_policy": 2 * params}
+        | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "bf16"),
+        "update": update,
+    }
 
 
-def lora_plan(config, rank, adapters, *, gen_rows, prompt_tokens, new_tokens, micro_batch_tokens,
-              completion_positions=None):
+def lora_plan(
+    config,
+    rank,
+    adapters,
+    *,
+    gen_rows,
+    prompt_tokens,
+    new_tokens,
+    micro_batch_tokens,
+    completion_positions=None,
+):
     """LoRA on a bf16 base (rc_grpo --preset bfcl: a frozen stage-1 adapter and the trained stage-2
     one; agentflow --preset full: one), {phase: {term: bytes}}: the base, the adapters in fp32, the
     trained adapter's gradients and AdamW moments, autocast's bf16 copy of the trained adapter;
     π_ref is the base with the adapters off (no copy)."""
     params, trained = param_counts(config, rank)
-    state = {"base_bf16": 2 * params, "adapters": 4 * trained * adapters, "grads": 4 * trained,
-             "adam": 8 * trained, "autocast_weights": 2 * trained}
+    state = {
+        "base_bf16": 2 * params,
+        "adapters": 4 * trained * adapters,
+        "grads": 4 * trained,
+        "adam": 8 * trained,
+        "autocast_weights": 2 * trained,
+    }
     positions = completion_positions or micro_batch_tokens
     kind = "lora2" if adapters == 2 else "lora"
     return {
         "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, kind),
-        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, kind)}
+        "update": state | micro_batch_terms(config, micro_batch_tokens, positions, kind),
+    }
 
 
 def in_gib(parts):
@@ -242,8 +326,11 @@ def _tracker():
         def _pre_fw_hook(self, module, inputs):
             name = self._mod_tracker.get_known_fqn(module)
             outer = set(self._mod_tracker.parents) - {name}
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and outer == {
-                    "Global"}:
+            if (
+                module in self.memory_tracking
+                and not self._mod_tracker.is_bw
+                and outer == {"Global"}
+            ):
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
@@ -303,9 +390,16 @@ def rollout_step(model, tokenizer, shape):
     import common
 
     return lambda: common.sample_completions(
-        model, tokenizer, prompts_of(shape["prompt_lengths"]), shape["new_tokens"],
-        stop_at_eos=False, batch_rows=shape["gen_rows"], token_budget=shape.get("gen_tokens", 0),
-        precision="bf16", row_seeds=list(range(len(shape["prompt_lengths"]))))
+        model,
+        tokenizer,
+        prompts_of(shape["prompt_lengths"]),
+        shape["new_tokens"],
+        stop_at_eos=False,
+        batch_rows=shape["gen_rows"],
+        token_budget=shape.get("gen_tokens", 0),
+        precision="bf16",
+        row_seeds=list(range(len(shape["prompt_lengths"]))),
+    )
 
 
 def update_batches(tokenizer, shape, vocab):
@@ -316,8 +410,9 @@ def update_batches(tokenizer, shape, vocab):
     prompts = prompts_of(shape["update_prompts"])
     completions = completions_of(shape["update_completions"], vocab)
     scoring = common.Scoring(tokenizer, shape["micro_batch_tokens"], torch.device("cpu"))
-    batches = common.scored_micro_batches(prompts, completions, sampler_logps=None,
-                                          scoring=scoring, with_old=False)
+    batches = common.scored_micro_batches(
+        prompts, completions, sampler_logps=None, scoring=scoring, with_old=False
+    )
     for mb in batches:
         mb.ref_logp = torch.zeros(mb.mask.shape)
     return batches
@@ -337,14 +432,20 @@ def flowrl_update_step(model, head, batches, micro_batches):
             prompt_len = mb.ids.shape[1] - mb.mask.shape[1]
             with autocast:
                 logp, hidden = common.completion_logprobs_and_hidden(
-                    model, mb.ids, mb.attn, mb.mask.shape[1])
+                    model, mb.ids, mb.attn, mb.mask.shape[1]
+                )
             logp_sum = flowrl.sequence_logprob(logp, mb.mask)
             weight = flowrl.importance_weight(logp_sum, logp_sum.detach(), 0.2)
             log_z = head(hidden[:, :prompt_len], mb.attn[:, :prompt_len].float())
             loss, _ = flowrl.trajectory_balance_loss(
-                log_z, flowrl.sequence_logprob(logp, mb.mask, length_normalize=True),
+                log_z,
+                flowrl.sequence_logprob(logp, mb.mask, length_normalize=True),
                 flowrl.sequence_logprob(mb.ref_logp, mb.mask, length_normalize=True),
-                torch.zeros(len(mb.rows)), beta=15.0, weight=weight, num_rows=num_rows)
+                torch.zeros(len(mb.rows)),
+                beta=15.0,
+                weight=weight,
+                num_rows=num_rows,
+            )
             loss.backward()
 
     return step
@@ -385,8 +486,9 @@ def measure_full(config, shape):
     optimizer.zero_grad()
     batches = update_batches(tokenizer, shape, config["vocab_size"])
     model.train()
-    update = tracked(flowrl_update_step(model, head, batches, iter), model, reference, head,
-                     optimizer)
+    update = tracked(
+        flowrl_update_step(model, head, batches, iter), model, reference, head, optimizer
+    )
     plan = full_plan(config, **plan_args(shape, batches))
     return compared(plan, {"rollout": rollout, "update": update})
 
@@ -425,11 +527,16 @@ def plan_args(shape, batches):
     import common
 
     tokens, positions = packed_shape(batches)
-    chunks = common.generation_chunks(shape["prompt_lengths"], shape["new_tokens"],
-                                      shape["gen_rows"], shape.get("gen_tokens", 0))
-    return dict(gen_rows=max(map(len, chunks)), prompt_tokens=max(shape["prompt_lengths"]),
-                new_tokens=shape["new_tokens"], micro_batch_tokens=tokens,
-                completion_positions=positions)
+    chunks = common.generation_chunks(
+        shape["prompt_lengths"], shape["new_tokens"], shape["gen_rows"], shape.get("gen_tokens", 0)
+    )
+    return dict(
+        gen_rows=max(map(len, chunks)),
+        prompt_tokens=max(shape["prompt_lengths"]),
+        new_tokens=shape["new_tokens"],
+        micro_batch_tokens=tokens,
+        completion_positions=positions,
+    )
 
 
 def compared(plan, measured):
@@ -438,8 +545,13 @@ def compared(plan, measured):
     out = {}
     for phase, (peak, parts) in measured.items():
         planned = sum(plan[phase].values())
-        out[phase] = {"tracked": peak, "planned": planned, "ratio": planned / peak,
-                      "terms": plan[phase], "categories": parts}
+        out[phase] = {
+            "tracked": peak,
+            "planned": planned,
+            "ratio": planned / peak,
+            "terms": plan[phase],
+            "categories": parts,
+        }
     return out
 
 
@@ -481,9 +593,14 @@ def _fsdp_rank(rank, world, store, config, shape, queue):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     model.train()
     measured["update"] = tracked(
-        flowrl_update_step(model, head, batches,
-                           lambda mbs: distributed.micro_batches(model, mbs, autocast)),
-        model, reference, head, optimizer)
+        flowrl_update_step(
+            model, head, batches, lambda mbs: distributed.micro_batches(model, mbs, autocast)
+        ),
+        model,
+        reference,
+        head,
+        optimizer,
+    )
     if rank == 0:
         queue.put((measured, plan_args(shape, batches)))
     dist.barrier()
@@ -498,8 +615,12 @@ def measure_fsdp(config, shape, world=2):
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_fsdp_rank, args=(world, f"{folder}/store", config, shape, queue),
-                           nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _fsdp_rank,
+            args=(world, f"{folder}/store", config, shape, queue),
+            nprocs=world,
+            start_method="spawn",
+        )
         measured, args = queue.get()
     return compared(fsdp_plan(config, world, **args), measured)
 
@@ -520,25 +641,40 @@ def measure_sd3(shape):
     torch.manual_seed(0)
     width, side, rows = shape["heads"] * shape["head_dim"], shape["side"], shape["rows"]
     net = SD3Transformer2DModel(
-        sample_size=side, patch_size=2, in_channels=4, num_layers=shape["blocks"],
-        attention_head_dim=shape["head_dim"], num_attention_heads=shape["heads"],
-        joint_attention_dim=48, caption_projection_dim=width, pooled_projection_dim=32,
-        out_channels=4, pos_embed_max_size=side, qk_norm="rms_norm",
-        dual_attention_layers=tuple(range(shape["blocks"] // 2))).to(torch.bfloat16)
-    net.requires_grad_(False).add_adapter(LoraConfig(
-        r=8, lora_alpha=16, init_lora_weights="gaussian", target_modules=SD3_LORA_TARGETS))
+        sample_size=side,
+        patch_size=2,
+        in_channels=4,
+        num_layers=shape["blocks"],
+        attention_head_dim=shape["head_dim"],
+        num_attention_heads=shape["heads"],
+        joint_attention_dim=48,
+        caption_projection_dim=width,
+        pooled_projection_dim=32,
+        out_channels=4,
+        pos_embed_max_size=side,
+        qk_norm="rms_norm",
+        dual_attention_layers=tuple(range(shape["blocks"] // 2)),
+    ).to(torch.bfloat16)
+    net.requires_grad_(False).add_adapter(
+        LoraConfig(
+            r=8, lora_alpha=16, init_lora_weights="gaussian", target_modules=SD3_LORA_TARGETS
+        )
+    )
     trained = [p for p in net.parameters() if p.requires_grad]
     for p in trained:
         p.data = p.data.float()  # as SD3Task: trainable LoRA weights in fp32
     net.enable_gradient_checkpointing()
     task = types.SimpleNamespace(
-        autocast=torch.autocast("cpu", dtype=torch.bfloat16), dtype=torch.bfloat16, policy=net)
+        autocast=torch.autocast("cpu", dtype=torch.bfloat16), dtype=torch.bfloat16, policy=net
+    )
     task.velocity = lambda model, x, sigma, cond: SD3Task.velocity(task, model, x, sigma, cond)
     policy = lambda x, sigma, cond: SD3Task.velocity(task, net, x, sigma, cond)
     reference = lambda x, sigma, cond: SD3Task.ref_velocity(task, x, sigma, cond)
     x, x_next = torch.randn(2, rows, 4, side, side)
-    text = lambda: (torch.randn(rows, shape["text_tokens"], 48, dtype=torch.bfloat16),
-                    torch.randn(rows, 32, dtype=torch.bfloat16))
+    text = lambda: (
+        torch.randn(rows, shape["text_tokens"], 48, dtype=torch.bfloat16),
+        torch.randn(rows, 32, dtype=torch.bfloat16),
+    )
     cond, empty = text(), text()
     sigmas = torch.tensor([0.9, 0.8])
     objective = types.SimpleNamespace(noise_level=0.7, clip_range=1e-4, beta=0.01)
@@ -549,8 +685,15 @@ def measure_sd3(shape):
             with torch.no_grad():
                 v_ref = flow_grpo.guided_velocity(reference, x, sigmas[0], cond, empty, 4.5)
             loss, _, _ = flow_grpo.step_loss(
-                v, v_ref, x, x_next, sigmas=sigmas, old_logp=torch.zeros(rows),
-                advantages=torch.ones(rows), objective=objective)
+                v,
+                v_ref,
+                x,
+                x_next,
+                sigmas=sigmas,
+                old_logp=torch.zeros(rows),
+                advantages=torch.ones(rows),
+                objective=objective,
+            )
             loss.backward()
 
     net.train()
@@ -558,7 +701,8 @@ def measure_sd3(shape):
     base = sum(p.numel() for p in net.parameters()) - sum(p.numel() for p in trained)
     adapter = sum(p.numel() for p in trained)
     plan = {"transformer_bf16": 2 * base, "lora_and_grads": 8 * adapter} | sd3_update_terms(
-        width, shape["blocks"], 2 * rows, (side // 2) ** 2, shape["text_tokens"])
+        width, shape["blocks"], 2 * rows, (side // 2) ** 2, shape["text_tokens"]
+    )
     return compared({"update": plan}, {"update": measured})
 
 
@@ -567,21 +711,51 @@ def measure_sd3(shape):
 # per mini-batch (the second runs with the first's gradients held); for FSDP, a step whose weights
 # outweigh its tokens, so the gradients' term decides the update's peak.
 SCALED = {
-    "a": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=640, vocab_size=768, tie_word_embeddings=True),
-    "b": dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-              intermediate_size=480, vocab_size=1536, tie_word_embeddings=False),
+    "a": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=640,
+        vocab_size=768,
+        tie_word_embeddings=True,
+    ),
+    "b": dict(
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=480,
+        vocab_size=1536,
+        tie_word_embeddings=False,
+    ),
 }
 SHAPES = {
-    "short": dict(prompt_lengths=[30, 60, 90, 120] * 2, new_tokens=4, gen_rows=8,
-                  update_prompts=[20, 30, 25, 35] * 2, update_completions=[100, 120, 110, 90] * 2,
-                  micro_batch_tokens=640),
-    "budget": dict(prompt_lengths=[150, 40, 100, 160, 60, 120], new_tokens=4, gen_rows=6,
-                   gen_tokens=500, update_prompts=[60, 20, 40] * 2,
-                   update_completions=[40, 150, 70] * 2, micro_batch_tokens=700),
-    "weights": dict(prompt_lengths=[10, 20, 30, 40], new_tokens=4, gen_rows=4,
-                    update_prompts=[8, 12] * 2, update_completions=[20, 30] * 2,
-                    micro_batch_tokens=100),
+    "short": dict(
+        prompt_lengths=[30, 60, 90, 120] * 2,
+        new_tokens=4,
+        gen_rows=8,
+        update_prompts=[20, 30, 25, 35] * 2,
+        update_completions=[100, 120, 110, 90] * 2,
+        micro_batch_tokens=640,
+    ),
+    "budget": dict(
+        prompt_lengths=[150, 40, 100, 160, 60, 120],
+        new_tokens=4,
+        gen_rows=6,
+        gen_tokens=500,
+        update_prompts=[60, 20, 40] * 2,
+        update_completions=[40, 150, 70] * 2,
+        micro_batch_tokens=700,
+    ),
+    "weights": dict(
+        prompt_lengths=[10, 20, 30, 40],
+        new_tokens=4,
+        gen_rows=4,
+        update_prompts=[8, 12] * 2,
+        update_completions=[20, 30] * 2,
+        micro_batch_tokens=100,
+    ),
 }
 SD3_SHAPE = dict(heads=3, head_dim=32, blocks=3, side=24, text_tokens=30, rows=3)
 
@@ -593,8 +767,7 @@ def scaled_checks():
         "flowrl full (b, budget)": measure_full(SCALED["b"], SHAPES["budget"]),
         "rc_grpo bfcl: 2 adapters (a, budget)": measure_lora(SCALED["a"], SHAPES["budget"], 8, 2),
         "agentflow full: 1 adapter (b, short)": measure_lora(SCALED["b"], SHAPES["short"], 8, 1),
-        "flowrl full-7b: fsdp, 2 ranks (b, weights)": measure_fsdp(
-            SCALED["b"], SHAPES["weights"]),
+        "flowrl full-7b: fsdp, 2 ranks (b, weights)": measure_fsdp(SCALED["b"], SHAPES["weights"]),
         "flow_grpo sd3: width 96, 3 blocks, 144 + 30 tokens": measure_sd3(SD3_SHAPE),
     }
 
@@ -633,26 +806,40 @@ def preset_plans(gen_tokens=None, micro_batch_tokens=None, gpus=8):
 
     out = {}
     full, big = flowrl.PRESETS["full"], flowrl.PRESETS["full-7b"]
-    for name, preset, config in (("flowrl full", full, QWEN["qwen2.5-1.5b"]),
-                                 ("flowrl full-7b", big, QWEN["qwen2.5-7b"])):
+    for name, preset, config in (
+        ("flowrl full", full, QWEN["qwen2.5-1.5b"]),
+        ("flowrl full-7b", big, QWEN["qwen2.5-7b"]),
+    ):
         budget = min(micro_batch_tokens or 2**62, preset["micro_batch_tokens"])
         new = preset["max_new_tokens"]
-        shape = dict(gen_rows=preset["gen_batch"], prompt_tokens=FLOWRL_PROMPT if name.endswith(
-            "full") else 2048, new_tokens=new, micro_batch_tokens=budget,
-            completion_positions=completion_positions(budget, FLOWRL_PROMPT, new))
-        out[name] = fsdp_plan(config, gpus, **shape) if preset.get("fsdp") else full_plan(
-            config, **shape)
+        shape = dict(
+            gen_rows=preset["gen_batch"],
+            prompt_tokens=FLOWRL_PROMPT if name.endswith("full") else 2048,
+            new_tokens=new,
+            micro_batch_tokens=budget,
+            completion_positions=completion_positions(budget, FLOWRL_PROMPT, new),
+        )
+        out[name] = (
+            fsdp_plan(config, gpus, **shape) if preset.get("fsdp") else full_plan(config, **shape)
+        )
     for name, preset, adapters, prompts in (
-            ("rc_grpo bfcl", rc_grpo.PRESETS["bfcl"], 2, BFCL_PROMPTS),
-            ("agentflow full", agentflow.PRESETS["full"], 1, AGENTFLOW_PROMPTS)):
+        ("rc_grpo bfcl", rc_grpo.PRESETS["bfcl"], 2, BFCL_PROMPTS),
+        ("agentflow full", agentflow.PRESETS["full"], 1, AGENTFLOW_PROMPTS),
+    ):
         budget = min(micro_batch_tokens or 2**62, preset["micro_batch_tokens"])
         new = preset["max_new_tokens"]
         gen_budget = min(gen_tokens or 2**62, preset["gen_tokens"])
         rows, prompt = budgeted_call(gen_budget, preset["gen_batch"], prompts[1], new)
         out[name] = lora_plan(
-            QWEN["qwen2.5-7b"], preset["lora_rank"], adapters, gen_rows=rows,
-            prompt_tokens=prompt, new_tokens=new, micro_batch_tokens=budget,
-            completion_positions=completion_positions(budget, prompts[0], new))
+            QWEN["qwen2.5-7b"],
+            preset["lora_rank"],
+            adapters,
+            gen_rows=rows,
+            prompt_tokens=prompt,
+            new_tokens=new,
+            micro_batch_tokens=budget,
+            completion_positions=completion_positions(budget, prompts[0], new),
+        )
     out["flow_grpo sd3"] = sd3_plan(flow_grpo.PRESETS["sd3"])
     return out
 
@@ -671,8 +858,10 @@ def sd3_update_terms(width, blocks, forward_rows, image_tokens, text_tokens):
     `forward_rows` = 2 × micro-batch rows), at its backward's peak."""
     saved = blocks * (image_tokens * SD3_PER_BLOCK["image"] + text_tokens * SD3_PER_BLOCK["text"])
     recompute = image_tokens * SD3_RECOMPUTE["image"] + text_tokens * SD3_RECOMPUTE["text"]
-    return {"block_inputs": forward_rows * width * saved,
-            "block_recompute": forward_rows * width * recompute}
+    return {
+        "block_inputs": forward_rows * width * saved,
+        "block_recompute": forward_rows * width * recompute,
+    }
 
 
 def sd3_plan(preset, resolution=512):
@@ -682,20 +871,30 @@ def sd3_plan(preset, resolution=512):
     (image tokens (resolution / 16)², text tokens 77 CLIP + 128 T5). Not planned: the VAE's decode
     of 8 images in fp32 (the prepare phase), and SDPA's workspace on a GPU."""
     adapter = SD3_LORA_R32 * preset["lora_rank"] // 32
-    state = {"transformer_bf16": 2 * SD3_TRANSFORMER,
-             "text_encoders_bf16": 2 * sum(SD3_PARTS[k] for k in ("clip_l", "clip_g", "t5_xxl")),
-             "vae_fp32": 4 * SD3_PARTS["vae"], "pickscore_fp32": 4 * SD3_PARTS["pickscore"],
-             "lora_adam_ema": 20 * adapter}
+    state = {
+        "transformer_bf16": 2 * SD3_TRANSFORMER,
+        "text_encoders_bf16": 2 * sum(SD3_PARTS[k] for k in ("clip_l", "clip_g", "t5_xxl")),
+        "vae_fp32": 4 * SD3_PARTS["vae"],
+        "pickscore_fp32": 4 * SD3_PARTS["pickscore"],
+        "lora_adam_ema": 20 * adapter,
+    }
     width = SD3_MEDIUM["num_attention_heads"] * SD3_MEDIUM["attention_head_dim"]
-    step = sd3_update_terms(width, SD3_MEDIUM["num_layers"], 2 * preset["micro_batch"],
-                            (resolution // 16) ** 2, 77 + 128)
+    step = sd3_update_terms(
+        width,
+        SD3_MEDIUM["num_layers"],
+        2 * preset["micro_batch"],
+        (resolution // 16) ** 2,
+        77 + 128,
+    )
     return {"update": state | step}
 
 
 def fits(plans, card_gib):
     """{preset: True/False}: every phase's plan under HEADROOM × what the card gives torch."""
-    return {name: all(sum(p.values()) / GIB <= HEADROOM * card_gib for p in phases.values())
-            for name, phases in plans.items()}
+    return {
+        name: all(sum(p.values()) / GIB <= HEADROOM * card_gib for p in phases.values())
+        for name, phases in plans.items()
+    }
 
 
 def largest_fitting(card_gib):
@@ -707,10 +906,16 @@ def largest_fitting(card_gib):
             plans = preset_plans(gen_tokens, micro)
             for name, ok in fits(plans, card_gib).items():
                 if ok and name not in out:
-                    out[name] = {"gen_tokens": gen_tokens, "micro_batch_tokens": micro,
-                                 "peak_gib": max(in_gib(p)["total"] for p in plans[name].values())}
-    return {name: flags for name, flags in out.items()
-            if flags["gen_tokens"] or flags["micro_batch_tokens"]}
+                    out[name] = {
+                        "gen_tokens": gen_tokens,
+                        "micro_batch_tokens": micro,
+                        "peak_gib": max(in_gib(p)["total"] for p in plans[name].values()),
+                    }
+    return {
+        name: flags
+        for name, flags in out.items()
+        if flags["gen_tokens"] or flags["micro_batch_tokens"]
+    }
 
 
 def main():
@@ -723,16 +928,31 @@ def main():
     if args.measure:
         for name, result in scaled_checks().items():
             for phase, row in result.items():
-                print(json.dumps({"check": name, "phase": phase, "tracked_mib": round(
-                    row["tracked"] / 2**20, 3), "planned_mib": round(row["planned"] / 2**20, 3),
-                    "ratio": round(row["ratio"], 3), "terms_mib": {
-                        k: round(v / 2**20, 3) for k, v in row["terms"].items()}}))
+                print(
+                    json.dumps(
+                        {
+                            "check": name,
+                            "phase": phase,
+                            "tracked_mib": round(row["tracked"] / 2**20, 3),
+                            "planned_mib": round(row["planned"] / 2**20, 3),
+                            "ratio": round(row["ratio"], 3),
+                            "terms_mib": {k: round(v / 2**20, 3) for k, v in row["terms"].items()},
+                        }
+                    )
+                )
         return
     plans = preset_plans(args.gen_tokens, args.micro_batch_tokens)
     if args.fit:
         for card, gib in CARDS_GIB.items():
-            print(json.dumps({"card": card, "fits_at_preset_flags": fits(plans, gib),
-                              "fits_with": largest_fitting(gib)}))
+            print(
+                json.dumps(
+                    {
+                        "card": card,
+                        "fits_at_preset_flags": fits(plans, gib),
+                        "fits_with": largest_fitting(gib),
+                    }
+                )
+            )
         return
     for name, phases in plans.items():
         for phase, terms in phases.items():

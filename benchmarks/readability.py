@@ -12,15 +12,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ["flowrl.py", "flow_grpo.py", "rc_grpo.py", "agentflow.py"]
 LOOP_VARIABLES = ("step", "epoch")
-COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.ClassDef,
-            ast.AsyncFor, ast.AsyncWith, ast.AsyncFunctionDef, ast.Match)
+COMPOUND = (
+    ast.If,
+    ast.For,
+    ast.While,
+    ast.With,
+    ast.Try,
+    ast.FunctionDef,
+    ast.ClassDef,
+    ast.AsyncFor,
+    ast.AsyncWith,
+    ast.AsyncFunctionDef,
+    ast.Match,
+)
 
 
 def training_loop(tree):
     """The outermost `for step …`/`for epoch …` loop of the file."""
-    loops = [node for node in ast.walk(tree)
-             if isinstance(node, ast.For) and isinstance(node.target, ast.Name)
-             and node.target.id in LOOP_VARIABLES]
+    loops = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.For)
+        and isinstance(node.target, ast.Name)
+        and node.target.id in LOOP_VARIABLES
+    ]
     return max(loops, key=lambda node: node.end_lineno - node.lineno)
 
 
@@ -45,19 +60,25 @@ def report(name):
     tree = ast.parse(source)
     lines = source.splitlines()
     loop = training_loop(tree)
-    return {"file": measure(lines, tree),
-            "loop": measure(lines[loop.lineno - 1 : loop.end_lineno], loop)}
+    return {
+        "file": measure(lines, tree),
+        "loop": measure(lines[loop.lineno - 1 : loop.end_lineno], loop),
+    }
 
 
 def main():
-    print("| file | lines | chars/line | ≥ 95 cols | calls/stmt | loop lines | loop chars/line "
-          "| loop ≥ 95 cols | loop calls/stmt |")
+    print(
+        "| file | lines | chars/line | ≥ 95 cols | calls/stmt | loop lines | loop chars/line "
+        "| loop ≥ 95 cols | loop calls/stmt |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in ALGORITHMS:
         f, loop = report(name).values()
-        print(f"| `{name}` | {f['lines']} | {f['chars_per_line']:.1f} | {f['share_ge_95']:.0%} | "
-              f"{f['calls_per_statement']:.2f} | {loop['lines']} | {loop['chars_per_line']:.1f} | "
-              f"{loop['share_ge_95']:.0%} | {loop['calls_per_statement']:.2f} |")
+        print(
+            f"| `{name}` | {f['lines']} | {f['chars_per_line']:.1f} | {f['share_ge_95']:.0%} | "
+            f"{f['calls_per_statement']:.2f} | {loop['lines']} | {loop['chars_per_line']:.1f} | "
+            f"{loop['share_ge_95']:.0%} | {loop['calls_per_statement']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def generation_throughput(hidden, batch, new_tokens=64):
         common.sample_completions(model, tokenizer, prompts[:2], 4, stop_at_eos=False)  # warm-up
         start = time.time()
         completions = common.sample_completions(
-            model, tokenizer, prompts, new_tokens, stop_at_eos=False)
+            model, tokenizer, prompts, new_tokens, stop_at_eos=False
+        )
     return sum(len(ids) for _, ids, _ in completions) / (time.time() - start)
 
 
@@ -39,8 +40,11 @@ def peak_rss_mib(script):
     """Peak RSS of one toy run, from the kernel's accounting of that child alone (os.wait4)."""
     with tempfile.TemporaryDirectory() as out:
         child = subprocess.Popen(
-            [sys.executable, str(ROOT / script), "--quiet", "--out-dir", out], cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [sys.executable, str(ROOT / script), "--quiet", "--out-dir", out],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
@@ -54,8 +58,10 @@ if __name__ == "__main__":
             print(
                 json.dumps(
                     {
-                        "hidden": hidden, "batch": batch,
-                        "tokens_per_s": round(generation_throughput(hidden, batch))}
+                        "hidden": hidden,
+                        "batch": batch,
+                        "tokens_per_s": round(generation_throughput(hidden, batch)),
+                    }
                 ),
                 flush=True,
             )

@@ -42,7 +42,8 @@ def make_retriever(corpus_path, top_k=3, max_chars=600):
 FULL_TOOLS = {
     "python": (
         "Runs Python code and returns what it prints.",
-        "a complete Python program that prints the result"),
+        "a complete Python program that prints the result",
+    ),
     "retrieve": ("Searches a local document collection.", "a short keyword search query"),
     "generate": ("Asks a general language model.", "a self-contained question or instruction"),
 }
@@ -97,12 +98,17 @@ class ToolSystem:
         sub-goals and commands) cannot open or close a turn: special tokens are escaped."""
         return self.tokenizer.apply_chat_template(
             [{"role": "user", "content": escape_special_tokens(text, self.tokenizer)}],
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
     def run_python(self, program):
         return sandbox.python_tool(
-            program, self.tool_timeout, hidden_files=self.hidden_files,
-            unsafe=self.unsafe_python_tool)
+            program,
+            self.tool_timeout,
+            hidden_files=self.hidden_files,
+            unsafe=self.unsafe_python_tool,
+        )
 
     def frozen(self, prompts, module, temperature=None):
         """The frozen modules: base weights (adapter off), sampled at `frozen_temperature` unless
@@ -112,19 +118,29 @@ class ToolSystem:
         max_new_tokens = min(MODULE_TOKENS[module], self.max_new_tokens)
         with self.planner.disable_adapter():
             out = common.sample_completions(
-                self.planner, self.tokenizer, [self.chat(p) for p in prompts], max_new_tokens,
-                temperature=temperature, batch_rows=self.gen_batch, token_budget=self.gen_tokens)
+                self.planner,
+                self.tokenizer,
+                [self.chat(p) for p in prompts],
+                max_new_tokens,
+                temperature=temperature,
+                batch_rows=self.gen_batch,
+                token_budget=self.gen_tokens,
+            )
         return [text for text, _, _ in out]
 
     def analyse(self, queries):
         """The query analysis the planner reads before every step (the original planner's first
         call): what the question asks and which skills and tools would help. Written by the frozen
         model, so it is never a trained turn."""
-        return self.frozen([
-            f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\n"
-            "Analyse the question in two sentences: what it asks, and which skills and tools would "
-            "help." for q in queries],
-            "analysis")
+        return self.frozen(
+            [
+                f"Question: {q['question']}\nTools: {', '.join(FULL_TOOLS)}\n"
+                "Analyse the question in two sentences: what it asks, and which skills and "
+                "tools would help."
+                for q in queries
+            ],
+            "analysis",
+        )
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
@@ -136,12 +152,16 @@ class ToolSystem:
         n_careless = round(careless * len(queries))
         specialised = [tool for tool in FULL_TOOLS if tool != "generate"]
         tools = ["generate"] * n_careless + [
-            specialised[k % len(specialised)] for k in range(len(queries) - n_careless)]
+            specialised[k % len(specialised)] for k in range(len(queries) - n_careless)
+        ]
         rng.shuffle(tools)
         return [
-            (self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
-             f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}")
-            for query, analysis, tool in zip(queries, self.analyse(queries), tools)]
+            (
+                self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
+                f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}",
+            )
+            for query, analysis, tool in zip(queries, self.analyse(queries), tools)
+        ]
 
     def planner_prompt(self, query, memory, analysis, step, max_turns):
         tools = "\n".join(
@@ -181,8 +201,11 @@ class ToolSystem:
         # the generate tool: one batch, greedy ("the LLM engines within the tools are set to a
         # temperature of 0.0", App. C.1)
         generated = iter(self.frozen(asked, "generate", temperature=0.0) if asked else [])
-        programs = [python_program(command)
-                    for (_, tool, _, _), command in zip(calls, commands) if tool == "python"]
+        programs = [
+            python_program(command)
+            for (_, tool, _, _), command in zip(calls, commands)
+            if tool == "python"
+        ]
         with ThreadPoolExecutor(max_workers=PYTHON_WORKERS) as pool:  # the turn's programs at once
             ran = iter(list(pool.map(self.run_python, programs)))
         results = []
@@ -208,8 +231,14 @@ class ToolSystem:
 
     def generate(self, items):
         """The final answer from M, the question last (where a small model reads it best)."""
-        texts = self.frozen([f"Memory:\n{render_memory(m)}\nQuestion: {q['question']}\nAnswer "
-                             "the question in a few words." for q, m in items], "answer")
+        texts = self.frozen(
+            [
+                f"Memory:\n{render_memory(m)}\nQuestion: {q['question']}\nAnswer "
+                "the question in a few words."
+                for q, m in items
+            ],
+            "answer",
+        )
         return [(re.findall(r"Answer:\s*(.+)", t) or [t.strip() or None])[-1] for t in texts]
 
     def judge(self, query, answer):
@@ -234,7 +263,8 @@ def escape_special_tokens(text, tokenizer):
     width space after its first character, so it is encoded as plain text, never as a token that
     ends a turn or starts a new one."""
     specials = set(tokenizer.all_special_tokens) | {
-        token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+        token.content for token in tokenizer.added_tokens_decoder.values() if token.special
+    }
     for special in sorted(specials, key=len, reverse=True):
         if len(special) > 1:
             text = text.replace(special, special[0] + "\u200b" + special[1:])
@@ -260,7 +290,8 @@ def format_rollout(trajectory):
     answer."""
     lines = [f"q: {trajectory['query']['question']}   (gold: {trajectory['query']['answer']})"]
     for turn, entry, verdict in zip(
-        trajectory["turns"], trajectory["memory"].entries, trajectory["verdicts"]):
+        trajectory["turns"], trajectory["memory"].entries, trajectory["verdicts"]
+    ):
         lines.append(
             f"  turn {entry['step']}: planner {turn['text']!r} → tool {entry['tool']}, sub-goal "
             f"{entry['subgoal']!r}, command {entry['command']!r} → "
@@ -275,13 +306,20 @@ def build_full(args, device):
     once whether the Python tool is isolated, disabled, or (the user's opt-in) unisolated."""
     problem = sandbox.isolation_problem()
     if args.unsafe_python_tool:
-        print("WARNING: --unsafe-python-tool: model-written code runs as you, WITHOUT isolation "
-              "(your files, keys and network are within its reach)", file=sys.stderr)
+        print(
+            "WARNING: --unsafe-python-tool: model-written code runs as you, WITHOUT isolation "
+            "(your files, keys and network are within its reach)",
+            file=sys.stderr,
+        )
     elif problem:
-        print(f"note: the Python tool is disabled: {problem}; its calls return that error "
-              "(--unsafe-python-tool runs them unisolated)", file=sys.stderr)
+        print(
+            f"note: the Python tool is disabled: {problem}; its calls return that error "
+            "(--unsafe-python-tool runs them unisolated)",
+            file=sys.stderr,
+        )
     tokenizer, planner = models.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
+    )
     retrieve = (
         make_retriever(args.corpus) if args.corpus else (lambda query: "error: no --corpus given")
     )
@@ -290,5 +328,13 @@ def build_full(args, device):
     return ToolSystem(
         load_qa_jsonl(args.data),
         load_qa_jsonl(args.eval_data, "--eval-data") if args.eval_data else [],
-        tokenizer, planner.to(device), retrieve, args.tool_timeout, args.max_new_tokens,
-        args.gen_batch, hidden, args.unsafe_python_tool, args.gen_tokens)
+        tokenizer,
+        planner.to(device),
+        retrieve,
+        args.tool_timeout,
+        args.max_new_tokens,
+        args.gen_batch,
+        hidden,
+        args.unsafe_python_tool,
+        args.gen_tokens,
+    )

@@ -45,21 +45,29 @@ def toy_queries(seed):
                 a = rng.choice(ATTRIBUTES)
                 out.append(
                     {
-                        "question": f"{a} of {e1}", "entities": (e1,), "shape": (a,),
-                        "answer": kb[e1][a]}
+                        "question": f"{a} of {e1}",
+                        "entities": (e1,),
+                        "shape": (a,),
+                        "answer": kb[e1][a],
+                    }
                 )
                 continue
             a, op, b = rng.choice(shape_pool)
             out.append(
                 {
-                    "question": f"{a} of {e1} {op} {b} of {e2}", "entities": (e1, e2),
-                    "shape": (a, op, b), "answer": OPERATIONS[op](kb[e1][a], kb[e2][b])}
+                    "question": f"{a} of {e1} {op} {b} of {e2}",
+                    "entities": (e1, e2),
+                    "shape": (a, op, b),
+                    "answer": OPERATIONS[op](kb[e1][a], kb[e2][b]),
+                }
             )
         return out
 
     return (
         make(entities[:30], train_shapes, 400),
-        make(entities[30:], test_shapes + train_shapes, 200), kb)
+        make(entities[30:], test_shapes + train_shapes, 200),
+        kb,
+    )
 
 
 def toy_demonstration(query, careless=False):
@@ -141,14 +149,16 @@ class ToySystem:
                 ]
                 if len(values) < 2:
                     results.append(
-                        (f"calc({words[0]})", "error: calc needs two looked-up values", False))
+                        (f"calc({words[0]})", "error: calc needs two looked-up values", False)
+                    )
                 else:
                     results.append(
                         (f"{values[0]} {words[0]} {values[1]}", OPERATIONS[words[0]](*values), True)
                     )
             else:
                 results.append(
-                    (f"{tool}({subgoal})", f"error: bad arguments {subgoal!r} for {tool}", False))
+                    (f"{tool}({subgoal})", f"error: bad arguments {subgoal!r} for {tool}", False)
+                )
         return results
 
     def verify(self, items):
@@ -179,7 +189,8 @@ def build_toy(args, device):
     words = ["q", "k", "m", "p", "ok", "error", "A", "B", *ATTRIBUTES, *OPERATIONS, *TOY_TOOLS]
     tokenizer = models.make_tokenizer(words + turns)
     planner = models.tiny_causal_lm(
-        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing)
+        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
+    )
     planner = planner.to(device)
     return ToySystem(train, test, kb, tokenizer, planner)
 
@@ -205,8 +216,11 @@ def sweep_row(summaries):
     credit, and the start's sampled success."""
     s = summaries[""]
     return {
-        "start_reward": s["start_reward"], "accuracy_before": s["accuracy_before"],
-        "broadcast": s["accuracy_after"], "final_turn": s["accuracy_final_turn_credit"]}
+        "start_reward": s["start_reward"],
+        "accuracy_before": s["accuracy_before"],
+        "broadcast": s["accuracy_after"],
+        "final_turn": s["accuracy_final_turn_credit"],
+    }
 
 
 def claim_holds(row):

@@ -1,11 +1,11 @@
 """The BFCL v4 multi-turn harness: the real data and backends of `bfcl-eval`, without eval/exec.
 
-    load_bfcl_entries, split_entries, function_docs   the data, the id split, the docs per turn
-    parse_calls, decode_calls                         model output → calls, by `ast`, literals only
-    BFCLEnv, run_timed, run_forked                    fresh backend instances, an allow-list of
-                                                      public methods, a time limit per call
-    trajectory_reward, bfcl_check                     R = R_state·R_action; the official checker
-    World, run_rollouts, trajectory_samples           BFCL's turn-by-turn protocol, batched
+load_bfcl_entries, split_entries, function_docs   the data, the id split, the docs per turn
+parse_calls, decode_calls                         model output → calls, by `ast`, literals only
+BFCLEnv, run_timed, run_forked                    fresh backend instances, an allow-list of
+                                                  public methods, a time limit per call
+trajectory_reward, bfcl_check                     R = R_state·R_action; the official checker
+World, run_rollouts, trajectory_samples           BFCL's turn-by-turn protocol, batched
 """
 
 import ast
@@ -35,7 +35,8 @@ SHORT_SYSTEM_PROMPT = (  # the laptop preset's shortened paraphrase of bfcl-eval
     "[func_name1(param=value, ...), func_name2(param=value)]. Keep calling functions "
     "until the user's request is fulfilled; when you have no more calls to make, "
     "reply in plain text and the turn ends.\nHere is a list of functions in JSON "
-    "format that you can invoke.\n{functions}")
+    "format that you can invoke.\n{functions}"
+)
 
 
 MAX_CALL_CHARS = (
@@ -46,8 +47,10 @@ MAX_CALL_CHARS = (
 # The SmolLM2 preset's entries (`rc_grpo.py --preset smollm2-bfcl`): multi_turn_base entries on one
 # backend whose first user turn takes one or two calls: the first 12 of the training split and the
 # 7 of the test split (ids ending in 9).
-LAPTOP_TASKS = ",".join(f"multi_turn_base_{n}" for n in (
-    1, 3, 6, 10, 12, 25, 26, 37, 50, 66, 73, 83, 9, 29, 39, 79, 99, 159, 179))
+LAPTOP_TASKS = ",".join(
+    f"multi_turn_base_{n}"
+    for n in (1, 3, 6, 10, 12, 25, 26, 37, 50, 66, 73, 83, 9, 29, 39, 79, 99, 159, 179)
+)
 
 
 def bfcl_root():
@@ -150,8 +153,10 @@ def _parse_call(call):
     ):
         raise ValueError(f"*args/**kwargs in {name}() are not allowed")
     return (
-        name, tuple(_literal(a) for a in call.args),
-        {k.arg: _literal(k.value) for k in call.keywords})
+        name,
+        tuple(_literal(a) for a in call.args),
+        {k.arg: _literal(k.value) for k in call.keywords},
+    )
 
 
 def format_call(name, positional, kwargs):
@@ -179,7 +184,8 @@ class BFCLEnv:
             if cls not in STATELESS_CLASSES:
                 instance._load_scenario(
                     copy.deepcopy(entry["initial_config"].get(cls, {})),
-                    long_context=entry["category"] == "long_context")
+                    long_context=entry["category"] == "long_context",
+                )
             self.instances[cls] = instance
             for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
                 if not name.startswith("_"):
@@ -275,7 +281,7 @@ def run_forked(method, positional, kwargs):
             text = f"Error during execution: {format_result(str(err))}"
         data = text.encode("utf-8", "replace")
         while data:
-            data = data[os.write(write_end, data):]
+            data = data[os.write(write_end, data) :]
         os._exit(0)
     os.close(write_end)
     chunks, deadline = [], time.monotonic() + CALL_SECONDS
@@ -392,16 +398,23 @@ def harness_system_prompt(entry_id, docs):
     from bfcl_eval.utils import add_language_specific_hint_to_function_doc
 
     (hinted,) = add_language_specific_hint_to_function_doc(
-        [{"id": entry_id, "function": copy.deepcopy(docs)}])
+        [{"id": entry_id, "function": copy.deepcopy(docs)}]
+    )
     style = bfcl_prompts.PROMPT_STYLE_TEMPLATES["classic"]
     call_format = style["tool_call_no_tag"].format(
         output_format=bfcl_prompts.OUTPUT_FORMAT_MAPPING["python"],
-        param_types=bfcl_prompts.PARAM_TYPE_MAPPING["python"])
+        param_types=bfcl_prompts.PARAM_TYPE_MAPPING["python"],
+    )
     tools = style["available_tools"].format(
-        format="json", functions=json.dumps(hinted["function"], indent=4))
+        format="json", functions=json.dumps(hinted["function"], indent=4)
+    )
     return bfcl_prompts.PROMPT_TEMPLATE_MAPPING["plaintext"].format(
-        persona=style["persona"], task=style["task"], tool_call_format=call_format,
-        multiturn_behavior=style["multiturn_behavior"], available_tools=tools)
+        persona=style["persona"],
+        task=style["task"],
+        tool_call_format=call_format,
+        multiturn_behavior=style["multiturn_behavior"],
+        available_tools=tools,
+    )
 
 
 def harness_reveal(docs):
@@ -429,8 +442,12 @@ class ChatFormat:
         docs = function_docs(entry)[0]
         if self.system_prompt == "bfcl":
             return [{"role": "system", "content": harness_system_prompt(entry["id"], docs)}]
-        return [{"role": "system",
-                 "content": SHORT_SYSTEM_PROMPT.replace("{functions}", json.dumps(docs))}]
+        return [
+            {
+                "role": "system",
+                "content": SHORT_SYSTEM_PROMPT.replace("{functions}", json.dumps(docs)),
+            }
+        ]
 
     def reveal(self, docs):
         """The user message that brings miss_func's held-out docs on their turn."""
@@ -443,7 +460,8 @@ class ChatFormat:
 
     def render(self, messages):
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
+            messages, tokenize=False, add_generation_prompt=True
+        )
 
     def call_text(self, call):
         return "[" + call + "]"
@@ -488,11 +506,17 @@ def build_bfcl(args, device):
     stay plain text (a few sub-word tokens each): new embedding rows would not be trained by LoRA on
     the linear layers."""
     tokenizer, model = models.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
+    )
     train, test = split_entries(load_bfcl_entries())
     return World(
-        train, test, tokenizer, model.to(device),
-        text_format=ChatFormat(tokenizer, args.system_prompt), end_text="Done.")
+        train,
+        test,
+        tokenizer,
+        model.to(device),
+        text_format=ChatFormat(tokenizer, args.system_prompt),
+        end_text="Done.",
+    )
 
 
 def select_entries(entries, args):
@@ -601,8 +625,7 @@ def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
                 "steps": [],
                 "done": False,
                 "calls_per_turn": [[] for _ in entry["question"]],
-                "messages": system_messages(world, entry)
-                + user_messages(world, entry, 0, goal),
+                "messages": system_messages(world, entry) + user_messages(world, entry, 0, goal),
             }
         )
     while active := [r for r in runs if not r["done"]]:
@@ -621,9 +644,16 @@ def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
         if seeds:  # the dialogue's seed and its step
             row_seeds = [distributed.sampling_seed(r["seed"], len(r["steps"]), 0) for r in active]
         outputs = common.sample_completions(
-            world.model, world.tokenizer, prompts, limits.max_new_tokens, temperature=temperature,
-            batch_rows=limits.gen_batch, token_budget=limits.gen_tokens,
-            precision=limits.mixed_precision, row_seeds=row_seeds)
+            world.model,
+            world.tokenizer,
+            prompts,
+            limits.max_new_tokens,
+            temperature=temperature,
+            batch_rows=limits.gen_batch,
+            token_budget=limits.gen_tokens,
+            precision=limits.mixed_precision,
+            row_seeds=row_seeds,
+        )
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})
@@ -631,8 +661,7 @@ def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
             if calls:
                 results = run["env"].execute(calls)
                 run["calls_per_turn"][run["turn"]] += [format_call(*c) for c in calls]
-                run["messages"].append(
-                    {"role": "tool", "content": observation(world, results)})
+                run["messages"].append({"role": "tool", "content": observation(world, results)})
                 run["turn_steps"] += 1
                 run["done"] = run["turn_steps"] > limits.max_steps  # BFCL's force-quit
                 continue

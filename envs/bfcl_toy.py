@@ -33,7 +33,9 @@ def toy_entries(n, seed, rare_share, n_test=200):
         contents[folder]["contents"][target] = {"type": "file", "content": f"{target} content"}
         for other in rng.sample([f for f in TOY_FILES if f != target], 2):
             contents[rng.choice(TOY_DIRS)]["contents"][other] = {
-                "type": "file", "content": f"{other} content"}
+                "type": "file",
+                "content": f"{other} content",
+            }
         entries.append(
             {
                 "id": f"toy_{k}",
@@ -41,13 +43,16 @@ def toy_entries(n, seed, rare_share, n_test=200):
                 "involved_classes": ["GorillaFileSystem"],
                 "initial_config": {
                     "GorillaFileSystem": {
-                        "root": {"workspace": {"type": "directory", "contents": contents}}}
+                        "root": {"workspace": {"type": "directory", "contents": contents}}
+                    }
                 },
                 "question": [[{"role": "user", "content": f"delete {target}"}]],
                 "ground_truth": [
                     [
-                        f"find(name='{target}')", f"cd(folder='{folder}')",
-                        f"rm(file_name='{target}')"]
+                        f"find(name='{target}')",
+                        f"cd(folder='{folder}')",
+                        f"rm(file_name='{target}')",
+                    ]
                 ],
                 "rare": rare,
                 "demonstrated": not rare,  # experts were recorded on the common case only
@@ -99,18 +104,46 @@ def build_toy(args, device, special_tokens):
     train, test = toy_entries(args.toy_tasks, args.seed, args.rare_share, args.toy_test_tasks)
     generic, _ = toy_entries(args.toy_tasks, args.seed + 1, rare_share=0.75, n_test=0)
     words = [
-        "user", "asst", "tool", "delete", "done", "[", "]", "(", ")", ",", "=", "[Reward", "Goal:",
-        "None", "matches", "Error", "find", "cd", "rm", "ls", "name", "folder", "file_name",
-        *TOY_DIRS, *TOY_FILES, *[repr(w) for w in TOY_DIRS + TOY_FILES]]
+        "user",
+        "asst",
+        "tool",
+        "delete",
+        "done",
+        "[",
+        "]",
+        "(",
+        ")",
+        ",",
+        "=",
+        "[Reward",
+        "Goal:",
+        "None",
+        "matches",
+        "Error",
+        "find",
+        "cd",
+        "rm",
+        "ls",
+        "name",
+        "folder",
+        "file_name",
+        *TOY_DIRS,
+        *TOY_FILES,
+        *[repr(w) for w in TOY_DIRS + TOY_FILES],
+    ]
     tokenizer = models.make_tokenizer(words, special_tokens=special_tokens)
     model = models.tiny_causal_lm(
-        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing)
+        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
+    )
     model = model.to(device)
     world = bfcl.World(train, test, tokenizer, model, text_format=ToyFormat(), end_text="done")
     rng = random.Random(args.seed)
     base_data = [
-        s for e in generic for _ in range(3)
-        for s in bfcl.trajectory_samples(world, e, None, sloppy_agent_steps(e, rng))]
+        s
+        for e in generic
+        for _ in range(3)
+        for s in bfcl.trajectory_samples(world, e, None, sloppy_agent_steps(e, rng))
+    ]
     return world, base_data
 
 
@@ -122,8 +155,11 @@ def folder_success(outcomes, high, low):
     record = {}
     for kind in ("common", "rare"):
         for tag, token in (("high", high), ("low", low), ("untagged", None)):
-            hits = [o["reward"] for o in outcomes
-                    if bool(o["rare"]) == (kind == "rare") and o["token"] == token]
+            hits = [
+                o["reward"]
+                for o in outcomes
+                if bool(o["rare"]) == (kind == "rare") and o["token"] == token
+            ]
             if hits:
                 record[f"success_{tag}_{kind}"] = sum(hits) / len(hits)
     return record
@@ -154,7 +190,8 @@ def sweep_row(summaries):
         "zv_sft_grpo": s["sft+grpo"]["zero_variance_fraction"],
         "zv_rctp_rc": s["rctp+rc-grpo"]["zero_variance_fraction"],
         **{f"acc_{arm}": s[arm]["accuracy"] for arm in TABLE_1 if arm in s},
-        **{f"entropy_{arm}": s[arm]["entropy"] for arm in TABLE_1 if arm in s}}
+        **{f"entropy_{arm}": s[arm]["entropy"] for arm in TABLE_1 if arm in s},
+    }
 
 
 def claim_holds(row):

@@ -40,8 +40,14 @@ class DigitVelocity(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(classes + 1, 32)
         self.net = nn.Sequential(
-            nn.Linear(dim + 32 + 16, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(),
-            nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, dim))
+            nn.Linear(dim + 32 + 16, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, dim),
+        )
 
     def forward(self, x, t, labels):
         freqs = t[:, None] * torch.pi * 2.0 ** torch.arange(8, device=x.device)  # (N, 8)
@@ -73,8 +79,10 @@ def pretrain_velocity(x, y, label_noise, seed, steps=3000):
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     noisy = torch.where(
-        torch.rand(len(y), generator=gen) < label_noise, torch.randint(10, y.shape, generator=gen),
-        y)
+        torch.rand(len(y), generator=gen) < label_noise,
+        torch.randint(10, y.shape, generator=gen),
+        y,
+    )
     for _ in range(steps):
         idx = torch.randint(len(x), (256,), generator=gen)
         x0, c = x[idx], noisy[idx]
@@ -98,7 +106,8 @@ def train_classifier(x, y, seed, steps=600):
     for _ in range(steps):
         idx = torch.randint(len(x), (128,), generator=gen)
         loss = F.cross_entropy(
-            model(x[idx] + 0.1 * torch.randn(x[idx].shape, generator=gen)), y[idx])
+            model(x[idx] + 0.1 * torch.randn(x[idx].shape, generator=gen)), y[idx]
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -115,8 +124,10 @@ def cached_models(cache, base, classifier):
         base.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("base.")})
         classifier.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("clf.")})
     except Exception as err:  # noqa: BLE001 - a cache: rebuilt, whatever broke it
-        print(f"note: {cache} is unreadable ({type(err).__name__}); training the toy's models "
-              "again", file=sys.stderr)
+        print(
+            f"note: {cache} is unreadable ({type(err).__name__}); training the toy's models again",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -133,7 +144,9 @@ class DigitsTask:
         key = hashlib.sha1(json.dumps([args.seed, args.label_noise]).encode()).hexdigest()[:10]
         cache = Path(args.cache_dir) / f"digits-{key}.safetensors"
         base, classifier = (
-            DigitVelocity(), nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 10)))
+            DigitVelocity(),
+            nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 10)),
+        )
         # TRY NOT TO MODIFY: the base model and reward are trained once and cached
         if not cached_models(cache, base, classifier):
             base = pretrain_velocity(train_x, train_y, args.label_noise, args.seed)
@@ -142,7 +155,8 @@ class DigitsTask:
                 cache,
                 {
                     **{f"base.{k}": v for k, v in base.state_dict().items()},
-                    **{f"clf.{k}": v for k, v in classifier.state_dict().items()}},
+                    **{f"clf.{k}": v for k, v in classifier.state_dict().items()},
+                },
                 {},
             )
         self.device = device
@@ -192,7 +206,8 @@ class DigitsTask:
             .mean()
             .item(),
             "accuracy_judge": float(
-                np.mean(self.judge.predict(images.cpu().numpy()) == wanted.numpy())),
+                np.mean(self.judge.predict(images.cpu().numpy()) == wanted.numpy())
+            ),
         }
 
     def save(self, out):
@@ -209,8 +224,11 @@ def plot_digit_grid(before, after, per_prompt, path, columns=8):
         grid = images.view(10, per_prompt, 8, 8)[:, :columns].cpu()  # (digit, sample, row, col)
         grid = F.pad(grid, (1, 1, 1, 1), value=-1.0)  # a white frame around each sample
         ax.imshow(
-            grid.permute(0, 2, 1, 3).reshape(100, 10 * grid.shape[1]).numpy(), cmap="gray_r",
-            vmin=-1, vmax=1)
+            grid.permute(0, 2, 1, 3).reshape(100, 10 * grid.shape[1]).numpy(),
+            cmap="gray_r",
+            vmin=-1,
+            vmax=1,
+        )
         ax.set(title=title, xticks=[], yticks=[5 + 10 * i for i in range(10)])
         ax.set_yticklabels([f"'{d}'" for d in range(10)])
     fig.tight_layout()
@@ -221,9 +239,11 @@ def sweep_row(summaries):
     """One seed of the sweep: ODE accuracy before and after, and diversity kept (after / before)."""
     s = summaries[""]
     return {
-        "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
+        "accuracy_before": s["accuracy_before"],
+        "accuracy_after": s["accuracy_after"],
         "judge_after": s["accuracy_judge_after"],
-        "diversity_kept": s["diversity_after"] / s["diversity_before"]}
+        "diversity_kept": s["diversity_after"] / s["diversity_before"],
+    }
 
 
 def claim_holds(row):

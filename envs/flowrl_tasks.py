@@ -78,7 +78,8 @@ def toy_reward_table(seed):
         {
             answers[j]: r
             for j, r in zip(
-                torch.randperm(len(answers), generator=gen)[: len(VALLEYS)].tolist(), VALLEYS)
+                torch.randperm(len(answers), generator=gen)[: len(VALLEYS)].tolist(), VALLEYS
+            )
         }
         for _ in TOY_PROMPTS
     ]
@@ -88,8 +89,9 @@ def build_toy(args):
     """Tiny Qwen2 "base model" that knows the answer format: pretrained on uniform 3-symbol
     strings."""
     tokenizer = models.make_tokenizer([*TOY_PROMPTS, *SYMBOLS])
-    model = models.tiny_causal_lm(len(tokenizer), seed=args.seed,
-                                  gradient_checkpointing=args.gradient_checkpointing)
+    model = models.tiny_causal_lm(
+        len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
+    )
     table = toy_reward_table(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -99,7 +101,8 @@ def build_toy(args):
         x = torch.stack(
             [
                 prompt_ids[torch.randint(len(TOY_PROMPTS), (64,), generator=gen)],
-                *symbol_ids[torch.randint(len(SYMBOLS), (3, 64), generator=gen)]],
+                *symbol_ids[torch.randint(len(SYMBOLS), (3, 64), generator=gen)],
+            ],
             1,
         )
         logits = model(input_ids=x).logits[:, :-1]
@@ -136,14 +139,16 @@ def chat_prompt(tokenizer, question):
     """The user turn through the model's chat template (plain text + newline when it has none)."""
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
     return question + "\n"
 
 
 def build_full(args, device):
     """HF causal LM (optionally LoRA) + the math task."""
     tokenizer, model = models.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
+    )
     rows = [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.data)]
     eval_rows = (
         [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.eval_data)]
@@ -162,7 +167,8 @@ NUMBER_QUESTIONS = {
     "a prime number less than 30": {2, 3, 5, 7, 11, 13, 17, 19, 23, 29},
     "a multiple of 5 between 1 and 50": set(range(5, 50, 5)),
     "a perfect square less than 100": {n * n for n in range(1, 10)},
-    "a multiple of 7 less than 100": set(range(7, 100, 7))}
+    "a multiple of 7 less than 100": set(range(7, 100, 7)),
+}
 
 
 def reply_integer(text, first):
@@ -186,7 +192,8 @@ def build_laptop(args, device):
     greedy accuracy (the same split on every seed). numbers: NUMBER_QUESTIONS, every one with many
     correct answers."""
     tokenizer, model = models.load_causal_lm(
-        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing)
+        args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
+    )
     if args.task == "addition":
         order = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
         rows = [
@@ -194,8 +201,10 @@ def build_laptop(args, device):
             for j in order
         ]
         return (
-            tokenizer, model,
-            Task("addition", [p for p, _ in rows[:36]], [a for _, a in rows[:36]], rows[36:]))
+            tokenizer,
+            model,
+            Task("addition", [p for p, _ in rows[:36]], [a for _, a in rows[:36]], rows[36:]),
+        )
     questions = list(NUMBER_QUESTIONS)
     prompts = [chat_prompt(tokenizer, f"What is {q}?" + REPLY) for q in questions]
     return tokenizer, model, Task("numbers", prompts, [NUMBER_QUESTIONS[q] for q in questions])
@@ -211,8 +220,14 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
     texts = [tokenizer.decode(a) for a in answers.tolist()]
     out = {
-        "kl_policy_to_target": 0.0, "kl_target_to_policy": 0.0, "mean_reward": 0.0,
-        "target_mean_reward": 0.0, "modes_covered": 0, "modes_total": 0, "dists": []}
+        "kl_policy_to_target": 0.0,
+        "kl_target_to_policy": 0.0,
+        "mean_reward": 0.0,
+        "target_mean_reward": 0.0,
+        "modes_covered": 0,
+        "modes_total": 0,
+        "dists": [],
+    }
     for i, prompt in enumerate(task.prompts):
         prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1).to(model.device)
@@ -224,7 +239,8 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         pi, target = logp.exp(), log_target.exp()
         out["kl_policy_to_target"] += (pi * (logp - log_target)).sum().item() / len(task.prompts)
         out["kl_target_to_policy"] += (target * (log_target - logp)).sum().item() / len(
-            task.prompts)
+            task.prompts
+        )
         out["mean_reward"] += (pi * reward).sum().item() / len(task.prompts)
         out["target_mean_reward"] += (target * reward).sum().item() / len(task.prompts)
         rewarded = reward > 0
@@ -249,9 +265,15 @@ def avg_at_k(model, tokenizer, task, generation, accelerator):
     my_seeds = row_seeds[accelerator.process_index :: accelerator.num_processes]
     sampled = generation.eval_temperature > 0
     samples = common.sample_completions(
-        model, tokenizer, [prompt for prompt, _ in mine], generation.max_new_tokens,
-        temperature=generation.eval_temperature, batch_rows=generation.gen_batch,
-        precision=generation.mixed_precision, row_seeds=my_seeds if sampled else None)
+        model,
+        tokenizer,
+        [prompt for prompt, _ in mine],
+        generation.max_new_tokens,
+        temperature=generation.eval_temperature,
+        batch_rows=generation.gen_batch,
+        precision=generation.mixed_precision,
+        row_seeds=my_seeds if sampled else None,
+    )
     scores = [score(task.kind, text, answer) for (text, _, _), (_, answer) in zip(samples, mine)]
     scores = gather_object(scores) if accelerator.num_processes > 1 else scores
     return {"avg_at_k": sum(scores) / len(scores)}
@@ -269,9 +291,13 @@ def answer_spread(model, tokenizer, task, generation):
     # step 0: never a training step
     torch.manual_seed(distributed.sampling_seed(generation.seed, 0, 0))
     replies = common.sample_completions(
-        model, tokenizer, [prompt for prompt in task.prompts for _ in range(n)],
-        generation.max_new_tokens, batch_rows=generation.gen_batch,
-        precision=generation.mixed_precision)
+        model,
+        tokenizer,
+        [prompt for prompt in task.prompts for _ in range(n)],
+        generation.max_new_tokens,
+        batch_rows=generation.gen_batch,
+        precision=generation.mixed_precision,
+    )
     for i, correct_set in enumerate(task.answers):
         found = (reply_integer(text, first=False) for text, _, _ in replies[i * n : (i + 1) * n])
         correct = [number for number in found if number in correct_set]
@@ -291,7 +317,8 @@ def plot_answer_counts(before, after, path, algo):
 
     fig = Figure(figsize=(3 * len(before), 2.8), dpi=100)
     for ax, question, start, end in zip(
-        fig.subplots(1, len(before)), NUMBER_QUESTIONS, before, after):
+        fig.subplots(1, len(before)), NUMBER_QUESTIONS, before, after
+    ):
         answers = sorted({*start, *end}, key=int)
         xs = torch.arange(len(answers)).numpy()
         ax.bar(xs - 0.2, [start.get(a, 0) for a in answers], 0.4, label="start")
@@ -335,17 +362,26 @@ def plot_kl_comparison(runs_dir):
                 (r["step"], r["kl_policy_to_target"]) for r in rows if "kl_policy_to_target" in r
             ]
     tracking.plot_curves(
-        curves, Path(runs_dir) / "flowrl_vs_grpo_kl.png", "exact KL(π‖p*) on the toy", "KL",
-        logy=True)
+        curves,
+        Path(runs_dir) / "flowrl_vs_grpo_kl.png",
+        "exact KL(π‖p*) on the toy",
+        "KL",
+        logy=True,
+    )
 
 
-CLAIMS = {"flowrl": "FlowRL: exact KL(π‖p*) goes down",
-          "grpo": "GRPO baseline: exact KL(π‖p*) goes up",
-          "grpo-kl": "GRPO-KL control (same target): KL goes down"}
+CLAIMS = {
+    "flowrl": "FlowRL: exact KL(π‖p*) goes down",
+    "grpo": "GRPO baseline: exact KL(π‖p*) goes up",
+    "grpo-kl": "GRPO-KL control (same target): KL goes down",
+}
 
 
 SWEEP_ARMS = [
-    ("flowrl", {"algo": "flowrl"}), ("grpo", {"algo": "grpo"}), ("grpo-kl", {"algo": "grpo-kl"})]
+    ("flowrl", {"algo": "flowrl"}),
+    ("grpo", {"algo": "grpo"}),
+    ("grpo-kl", {"algo": "grpo-kl"}),
+]
 
 
 def sweep_row(summaries):
@@ -354,7 +390,8 @@ def sweep_row(summaries):
         "kl_at_ref": summaries["flowrl"]["before"]["kl_policy_to_target"],
         **{f"kl_{name}": summaries[name]["kl_policy_to_target"] for name, _ in SWEEP_ARMS},
         "covered_at_ref": summaries["flowrl"]["before"]["modes_covered"],
-        **{f"covered_{name}": summaries[name]["modes_covered"] for name, _ in SWEEP_ARMS}}
+        **{f"covered_{name}": summaries[name]["modes_covered"] for name, _ in SWEEP_ARMS},
+    }
 
 
 def claim_holds(row):
@@ -370,8 +407,10 @@ def spread_row(summaries):
     the start (the same for both arms) and at the end of each arm."""
     row = {}
     for metric, short in [
-        ("spread_reward", "reward"), ("distinct_correct", "distinct"),
-        ("correct_entropy", "entropy")]:
+        ("spread_reward", "reward"),
+        ("distinct_correct", "distinct"),
+        ("correct_entropy", "entropy"),
+    ]:
         row[f"{short}_start"] = summaries["flowrl"]["before"][metric]
         row |= {f"{short}_{name}": summaries[name][metric] for name, _ in SPREAD_ARMS}
     return row
@@ -404,7 +443,8 @@ def plot_spread_comparison(sweep_dir):
     curves.legend(fontsize=8)
     for ax, short, title in [
         (distinct, "distinct", "distinct correct answers"),
-        (entropy, "entropy", "entropy of correct answers (nats)")]:
+        (entropy, "entropy", "entropy of correct answers (nats)"),
+    ]:
         for x, column in enumerate(["start", *(name for name, _ in SPREAD_ARMS)]):
             values = [row[f"{short}_{column}"] for row in sweep["rows"]]
             ax.plot([x] * len(values), values, "o", alpha=0.6)
@@ -454,8 +494,11 @@ def summary_of(first, final, args, task):
     the row of `make demo`'s table (exact KL(π‖p*) before → after)."""
     summary = final | {"algo": args.algo, "before": first}
     if task.kind == "valleys" and final:
-        summary["claim"] = {"text": CLAIMS[args.algo], "after": final["kl_policy_to_target"],
-                            "before": first["kl_policy_to_target"]}
+        summary["claim"] = {
+            "text": CLAIMS[args.algo],
+            "after": final["kl_policy_to_target"],
+            "before": first["kl_policy_to_target"],
+        }
     return summary
 
 
@@ -465,11 +508,13 @@ def run_plots(first, final, args, task, out_dir):
     plots = [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if task.kind == "valleys" and final:
         plot_valleys(final["dists"][0], Path(out_dir) / "valleys.png", args.algo)
-        plots.append(("kl.png", ["kl_policy_to_target", "kl_target_to_policy"],
-                      f"{args.algo}: exact KL"))
+        plots.append(
+            ("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL")
+        )
     if task.kind == "numbers" and final:
         plot_answer_counts(
-            first["counts"], final["counts"], Path(out_dir) / "answers.png", args.algo)
+            first["counts"], final["counts"], Path(out_dir) / "answers.png", args.algo
+        )
     if task.eval_rows:
         plots.append(("eval.png", ["avg_at_k"], f"{args.algo}: Avg@{args.eval_k}"))
     return plots

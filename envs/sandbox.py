@@ -78,30 +78,91 @@ os.execve(python, [python, "-I", "-B", "main.py"], threads)
 SYSCALLS = {
     "x86_64": {
         "arch": 0xC000003E,
-        "deny": {"fork": 57, "vfork": 58, "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
-                 "flock": 73, "ptrace": 101, "utime": 132, "io_setup": 206, "io_submit": 209,
-                 "utimes": 235, "add_key": 248, "request_key": 249, "keyctl": 250,
-                 "inotify_init": 253, "inotify_add_watch": 254, "futimesat": 261,
-                 "utimensat": 280, "unshare": 272, "inotify_init1": 294,
-                 "fallocate": 285, "perf_event_open": 298, "fanotify_init": 300,
-                 "fanotify_mark": 301, "setns": 308, "process_vm_readv": 310,
-                 "process_vm_writev": 311, "kcmp": 312, "memfd_create": 319, "bpf": 321,
-                 "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
-                 "io_uring_register": 427, "pidfd_getfd": 438, "process_madvise": 440},
-        "clone": 56, "clone3": 435, "socket": 41, "fcntl": 72, "prctl": 157,
+        "deny": {
+            "fork": 57,
+            "vfork": 58,
+            "shmget": 29,
+            "shmat": 30,
+            "semget": 64,
+            "msgget": 68,
+            "flock": 73,
+            "ptrace": 101,
+            "utime": 132,
+            "io_setup": 206,
+            "io_submit": 209,
+            "utimes": 235,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "inotify_init": 253,
+            "inotify_add_watch": 254,
+            "futimesat": 261,
+            "utimensat": 280,
+            "unshare": 272,
+            "inotify_init1": 294,
+            "fallocate": 285,
+            "perf_event_open": 298,
+            "fanotify_init": 300,
+            "fanotify_mark": 301,
+            "setns": 308,
+            "process_vm_readv": 310,
+            "process_vm_writev": 311,
+            "kcmp": 312,
+            "memfd_create": 319,
+            "bpf": 321,
+            "userfaultfd": 323,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+            "pidfd_getfd": 438,
+            "process_madvise": 440,
+        },
+        "clone": 56,
+        "clone3": 435,
+        "socket": 41,
+        "fcntl": 72,
+        "prctl": 157,
     },
     "aarch64": {
         "arch": 0xC00000B7,
-        "deny": {"io_setup": 0, "io_submit": 2, "inotify_init1": 26, "inotify_add_watch": 27,
-                 "flock": 32, "fallocate": 47, "utimensat": 88, "unshare": 97, "ptrace": 117,
-                 "shmget": 194, "shmat": 196, "semget": 190, "msgget": 186, "add_key": 217,
-                 "request_key": 218, "keyctl": 219, "perf_event_open": 241,
-                 "fanotify_init": 262, "fanotify_mark": 263, "setns": 268,
-                 "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
-                 "memfd_create": 279, "bpf": 280, "userfaultfd": 282, "io_uring_setup": 425,
-                 "io_uring_enter": 426, "io_uring_register": 427, "pidfd_getfd": 438,
-                 "process_madvise": 440},
-        "clone": 220, "clone3": 435, "socket": 198, "fcntl": 25, "prctl": 167,
+        "deny": {
+            "io_setup": 0,
+            "io_submit": 2,
+            "inotify_init1": 26,
+            "inotify_add_watch": 27,
+            "flock": 32,
+            "fallocate": 47,
+            "utimensat": 88,
+            "unshare": 97,
+            "ptrace": 117,
+            "shmget": 194,
+            "shmat": 196,
+            "semget": 190,
+            "msgget": 186,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "perf_event_open": 241,
+            "fanotify_init": 262,
+            "fanotify_mark": 263,
+            "setns": 268,
+            "process_vm_readv": 270,
+            "process_vm_writev": 271,
+            "kcmp": 272,
+            "memfd_create": 279,
+            "bpf": 280,
+            "userfaultfd": 282,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+            "pidfd_getfd": 438,
+            "process_madvise": 440,
+        },
+        "clone": 220,
+        "clone3": 435,
+        "socket": 198,
+        "fcntl": 25,
+        "prctl": 167,
     },
 }
 CLONE_THREAD = 0x10000  # clone without it makes a process: denied; with it, a thread: allowed
@@ -121,29 +182,48 @@ def seccomp_filter(machine):
     """The filter as bytes for bwrap's --seccomp: a list of instructions whose jump targets are
     labels, assembled into relative offsets."""
     table = SYSCALLS[machine]
-    program = [(LOAD_WORD, None, None, ARCH), (JUMP_EQ, None, "kill", table["arch"]),
-               (LOAD_WORD, None, None, NR)]
+    program = [
+        (LOAD_WORD, None, None, ARCH),
+        (JUMP_EQ, None, "kill", table["arch"]),
+        (LOAD_WORD, None, None, NR),
+    ]
     if machine == "x86_64":  # the x32 ABI's numbers
         program.append((JUMP_GE, "deny", None, 0x40000000))
     program += [(JUMP_EQ, "deny", None, number) for number in table["deny"].values()]
-    program += [(JUMP_EQ, "clone", None, table["clone"]),
-                (JUMP_EQ, "enosys", None, table["clone3"]),
-                (JUMP_EQ, "socket", None, table["socket"]),
-                (JUMP_EQ, "fcntl", None, table["fcntl"]),
-                (JUMP_EQ, "prctl", None, table["prctl"]),
-                (RETURN, None, None, SECCOMP_ALLOW),
-                "clone", (LOAD_WORD, None, None, ARG0), (JUMP_SET, "allow", "deny", CLONE_THREAD),
-                "socket", (LOAD_WORD, None, None, ARG0)]
+    program += [
+        (JUMP_EQ, "clone", None, table["clone"]),
+        (JUMP_EQ, "enosys", None, table["clone3"]),
+        (JUMP_EQ, "socket", None, table["socket"]),
+        (JUMP_EQ, "fcntl", None, table["fcntl"]),
+        (JUMP_EQ, "prctl", None, table["prctl"]),
+        (RETURN, None, None, SECCOMP_ALLOW),
+        "clone",
+        (LOAD_WORD, None, None, ARG0),
+        (JUMP_SET, "allow", "deny", CLONE_THREAD),
+        "socket",
+        (LOAD_WORD, None, None, ARG0),
+    ]
     program += [(JUMP_EQ, "deny", None, family) for family in DENIED_SOCKET_FAMILIES]
     program += [(RETURN, None, None, SECCOMP_ALLOW), "fcntl", (LOAD_WORD, None, None, ARG1)]
     program += [(JUMP_EQ, "deny", None, command) for command in DENIED_FCNTL_COMMANDS]
-    program += [(RETURN, None, None, SECCOMP_ALLOW),
-                "prctl", (LOAD_WORD, None, None, ARG0), (JUMP_EQ, None, "allow", PR_SET_PDEATHSIG),
-                (LOAD_WORD, None, None, ARG1), (JUMP_EQ, "allow", "deny", SIGKILL)]
-    program += ["allow", (RETURN, None, None, SECCOMP_ALLOW),
-                "deny", (RETURN, None, None, SECCOMP_ERRNO | EPERM),
-                "enosys", (RETURN, None, None, SECCOMP_ERRNO | ENOSYS),
-                "kill", (RETURN, None, None, SECCOMP_KILL)]
+    program += [
+        (RETURN, None, None, SECCOMP_ALLOW),
+        "prctl",
+        (LOAD_WORD, None, None, ARG0),
+        (JUMP_EQ, None, "allow", PR_SET_PDEATHSIG),
+        (LOAD_WORD, None, None, ARG1),
+        (JUMP_EQ, "allow", "deny", SIGKILL),
+    ]
+    program += [
+        "allow",
+        (RETURN, None, None, SECCOMP_ALLOW),
+        "deny",
+        (RETURN, None, None, SECCOMP_ERRNO | EPERM),
+        "enosys",
+        (RETURN, None, None, SECCOMP_ERRNO | ENOSYS),
+        "kill",
+        (RETURN, None, None, SECCOMP_KILL),
+    ]
     labels, instructions = {}, []
     for item in program:
         if isinstance(item, str):
@@ -181,8 +261,10 @@ def prefix_problem(prefixes, hidden):
     (its .git, runs/ and data), any git repository, or a folder of the run's data."""
     for prefix in prefixes:
         if REPOSITORY == Path(prefix) or Path(prefix) in REPOSITORY.parents:
-            return (f"the interpreter's folder {prefix} holds the repository "
-                    "(make the venv in a folder of its own, e.g. .venv)")
+            return (
+                f"the interpreter's folder {prefix} holds the repository "
+                "(make the venv in a folder of its own, e.g. .venv)"
+            )
         if (Path(prefix) / ".git").exists():
             return f"the interpreter's folder {prefix} is a git repository"
         for path in hidden:
@@ -230,8 +312,12 @@ def bwrap_command(python, prefixes, fds, memory_mb, timeout, hidden, uid):
     code_fd, seccomp_fd, info_fd = fds
     libraries = [f"/usr/{name}" for name in ["lib", "lib32", "lib64", "libx32"]]
     root = ["--perms", "0755", "--dir", "/usr"]
-    root += [arg for lib in libraries if os.path.isdir(lib) and not os.path.islink(lib)
-             for arg in ["--ro-bind", lib, lib]]
+    root += [
+        arg
+        for lib in libraries
+        if os.path.isdir(lib) and not os.path.islink(lib)
+        for arg in ["--ro-bind", lib, lib]
+    ]
     for top in ["/lib", "/lib32", "/lib64", "/libx32"]:  # merged-/usr links, or the folders
         if os.path.islink(top):
             root += ["--symlink", os.readlink(top), top]
@@ -251,8 +337,17 @@ def bwrap_command(python, prefixes, fds, memory_mb, timeout, hidden, uid):
         if any(folder.startswith(p + "/") for p in readable):
             root += ["--size", "4096", "--tmpfs", folder, "--remount-ro", folder]
     if uid is None:  # a normal trainer: the program is SANDBOX_UID in a user namespace of its own
-        user = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-                "--disable-userns", "--cap-drop", "ALL", "--as-pid-1"]
+        user = [
+            "--unshare-user",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--disable-userns",
+            "--cap-drop",
+            "ALL",
+            "--as-pid-1",
+        ]
     else:  # root: bwrap binds as root, the boot keeps only what it needs to drop to `uid`
         # NOTE: bwrap's init stays PID 1 here. bwrap keeps no capability, so only a process of
         # the same uid (root) receives its parent-death signal; the init, root with no
@@ -261,17 +356,59 @@ def bwrap_command(python, prefixes, fds, memory_mb, timeout, hidden, uid):
         user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     size = str(TMPFS_MB << 20)
     return [
-        "bwrap", *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup", "--die-with-parent", "--new-session", "--clearenv",
-        "--info-fd", str(info_fd), "--proc", "/proc", "--dev", "/dev",
-        "--ro-bind", "/dev/null", "/proc/keys", "--ro-bind", "/dev/null", "/proc/key-users",
-        *(arg for folder in ["/dev/shm", "/tmp", WORK]  # writable inside, size-capped
-          for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]),
+        "bwrap",
+        *user,
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--info-fd",
+        str(info_fd),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--ro-bind",
+        "/dev/null",
+        "/proc/keys",
+        "--ro-bind",
+        "/dev/null",
+        "/proc/key-users",
+        *(
+            arg
+            for folder in ["/dev/shm", "/tmp", WORK]  # writable inside, size-capped
+            for arg in ["--perms", "1777", "--size", size, "--tmpfs", folder]
+        ),
         *root,  # after the tmpfs folders, so a venv under /tmp is bound on top of its tmpfs
-        "--file", str(code_fd), f"{WORK}/main.py", "--seccomp", str(seccomp_fd),
-        "--remount-ro", "/dev", "--remount-ro", "/proc", "--remount-ro", "/",
-        "--chdir", WORK, "--", python, "-I", "-c", SANDBOX_BOOT, str(memory_mb),
-        str(int(timeout) + 1), "1", str(THREADS), "-" if uid is None else str(uid), python]
+        "--file",
+        str(code_fd),
+        f"{WORK}/main.py",
+        "--seccomp",
+        str(seccomp_fd),
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/proc",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        WORK,
+        "--",
+        python,
+        "-I",
+        "-c",
+        SANDBOX_BOOT,
+        str(memory_mb),
+        str(int(timeout) + 1),
+        "1",
+        str(THREADS),
+        "-" if uid is None else str(uid),
+        python,
+    ]
 
 
 def isolation_problem():
@@ -288,18 +425,22 @@ def isolation_problem():
         return problem
     output, ok = run_program("print(1)", 30, 256, 100, [], isolate=True)
     if (output, ok) != ("1", True):
-        fix = ("make the interpreter's files readable by other users, and run the trainer "
-               "with CAP_SYS_ADMIN (not in an unprivileged container)" if os.geteuid() == 0
-               else "allow unprivileged user namespaces (sysctl "
-               "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
-        return (f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]}); "
-                f"to fix: {fix}")
+        fix = (
+            "make the interpreter's files readable by other users, and run the trainer "
+            "with CAP_SYS_ADMIN (not in an unprivileged container)"
+            if os.geteuid() == 0
+            else "allow unprivileged user namespaces (sysctl "
+            "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)"
+        )
+        return (
+            f"bubblewrap cannot isolate a call here ({output.splitlines()[-1][:200]}); "
+            f"to fix: {fix}"
+        )
     isolation_problem.ok = True
     return None
 
 
-def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=(),
-                unsafe=False):
+def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_files=(), unsafe=False):
     """Run model-written code in an isolated process and return (output, ok); never raises.
 
     Output is stdout plus the last stderr line on failure, cut at `max_output` characters; a run
@@ -350,8 +491,11 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
     # the venv's own interpreter, reached through the real path of its folder
     python = str(Path(sys.executable).parent.resolve() / Path(sys.executable).name)
     # only an unisolated run needs a host folder; an isolated one gets its code through a memfd
-    workdir = contextlib.nullcontext("/") if isolate else tempfile.TemporaryDirectory(
-        prefix="agentflow_py_", ignore_cleanup_errors=True)
+    workdir = (
+        contextlib.nullcontext("/")
+        if isolate
+        else tempfile.TemporaryDirectory(prefix="agentflow_py_", ignore_cleanup_errors=True)
+    )
     with workdir as tmp:
         fds, info = [], None
         if isolate:
@@ -370,14 +514,24 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
 
             def preexec():
                 for limit, value in [
-                    (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 1 << 20),
-                    (resource.RLIMIT_CPU, int(timeout) + 1)]:
+                    (resource.RLIMIT_AS, memory_mb << 20),
+                    (resource.RLIMIT_FSIZE, 1 << 20),
+                    (resource.RLIMIT_CPU, int(timeout) + 1),
+                ]:
                     resource.setrlimit(limit, (value, value))
 
         try:
             process = subprocess.Popen(
-                command, cwd=tmp, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, pass_fds=fds)
+                command,
+                cwd=tmp,
+                env={},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=preexec,
+                start_new_session=True,
+                pass_fds=fds,
+            )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -402,8 +556,10 @@ def run_program(code, timeout, memory_mb, max_output, hidden, isolate):
     if process.returncode and errors:
         text += "\n" + errors[-1]
     text = text.strip() or (
-        "(no output; print the result)" if process.returncode == 0
-        else f"error: exit status {process.returncode}")
+        "(no output; print the result)"
+        if process.returncode == 0
+        else f"error: exit status {process.returncode}"
+    )
     cut = " …[truncated]" if len(text) > max_output else ""
     return text[:max_output] + cut, process.returncode == 0
 

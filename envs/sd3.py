@@ -28,7 +28,8 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 # name → (model id, processor/tokenizer id, divisor). PickScore's /26 is the official scaling.
 CLIP_REWARDS = {
     "clip": ("openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", 100.0),
-    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", 26.0)}
+    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", 26.0),
+}
 
 
 def clip_reward(name, override, device):
@@ -53,8 +54,11 @@ def clip_reward(name, override, device):
         processor = CLIPImageProcessor.from_pretrained(processor_id)
     except OSError:  # no preprocessor_config.json: CLIP's standard processing at the model's size
         processor = CLIPImageProcessor(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-            image_mean=CLIP_MEAN, image_std=CLIP_STD)
+            size={"shortest_edge": size},
+            crop_size={"height": size, "width": size},
+            image_mean=CLIP_MEAN,
+            image_std=CLIP_STD,
+        )
 
     def reward(images, prompts):
         uint8 = (
@@ -67,9 +71,11 @@ def clip_reward(name, override, device):
         )
         pixels = processor(images=list(uint8), return_tensors="pt")["pixel_values"].to(device)
         text = tokenizer(
-            prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
+            prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"
+        ).to(device)
         out = model(
-            input_ids=text["input_ids"], attention_mask=text["attention_mask"], pixel_values=pixels)
+            input_ids=text["input_ids"], attention_mask=text["attention_mask"], pixel_values=pixels
+        )
         cos = F.cosine_similarity(out.image_embeds, out.text_embeds, dim=-1)
         return model.logit_scale.exp() * cos / divisor
 
@@ -134,8 +140,11 @@ class SD3Task:
         self.policy = pipe.transformer.requires_grad_(False)
         self.policy.add_adapter(
             LoraConfig(
-                r=args.lora_rank, lora_alpha=2 * args.lora_rank, init_lora_weights="gaussian",
-                target_modules=SD3_LORA_TARGETS)
+                r=args.lora_rank,
+                lora_alpha=2 * args.lora_rank,
+                init_lora_weights="gaussian",
+                target_modules=SD3_LORA_TARGETS,
+            )
         )
         for p in self.policy.parameters():
             if p.requires_grad:
@@ -143,7 +152,8 @@ class SD3Task:
         if args.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         self.autocast = torch.autocast(
-            device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+            device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
+        )
         self.reward = load_reward(args, device)
         self.prompts = load_prompts(args.prompts)
         self.eval_prompts = (
@@ -160,8 +170,12 @@ class SD3Task:
         """v_θ(x, t, c) of `net` (the transformer). The timestep stays fp32 (official)."""
         with self.autocast:
             v = net(
-                hidden_states=x.to(self.dtype), timestep=(1000 * sigma).float().expand(len(x)),
-                encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False)[0]
+                hidden_states=x.to(self.dtype),
+                timestep=(1000 * sigma).float().expand(len(x)),
+                encoder_hidden_states=cond[0],
+                pooled_projections=cond[1],
+                return_dict=False,
+            )[0]
         return v.float()  # NOTE: the SDE step runs in fp32
 
     def ref_velocity(self, x, sigma, cond):
@@ -174,8 +188,13 @@ class SD3Task:
     @torch.no_grad()
     def encode(self, prompts):
         embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=False, max_sequence_length=128)
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=128,
+        )
         return embeds.to(self.dtype), pooled.to(self.dtype)
 
     def empty(self, n):
@@ -198,4 +217,5 @@ class SD3Task:
         from peft.utils import get_peft_model_state_dict
 
         StableDiffusion3Pipeline.save_lora_weights(
-            out / "lora", transformer_lora_layers=get_peft_model_state_dict(self.policy))
+            out / "lora", transformer_lora_layers=get_peft_model_state_dict(self.policy)
+        )

@@ -73,4 +73,7 @@ def pytest_terminal_summary(terminalreporter):
     if problem:
         terminalreporter.write_line(
             f"NOT ISOLATED HERE: {problem}. The Python tool is disabled on this machine and its "
-            "isolation tests did not run (tests/test_python_tool.py).", red=True, bold=True)
+            "isolation tests did not run (tests/test_python_tool.py).",
+            red=True,
+            bold=True,
+        )

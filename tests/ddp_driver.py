@@ -44,8 +44,9 @@ if __name__ == "__main__":
     calls = []
     if os.environ.get("COUNT_CALLS"):  # how often this rank runs one of the script's functions
         counted = getattr(module, os.environ["COUNT_CALLS"])
-        setattr(module, os.environ["COUNT_CALLS"],
-                lambda *a, **k: calls.append(1) or counted(*a, **k))
+        setattr(
+            module, os.environ["COUNT_CALLS"], lambda *a, **k: calls.append(1) or counted(*a, **k)
+        )
     if os.environ.get("SLOW_EVAL_SECONDS"):
         from envs import flowrl_tasks
 
@@ -53,7 +54,8 @@ if __name__ == "__main__":
     module.train(cli.parse_args(module.Args, module.PRESETS, sys.argv[3:]))
     params = [  # a sharded parameter (--fsdp) gathered whole: every rank, the same order
         (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-        for group in optimizers[-1].param_groups for p in group["params"]
+        for group in optimizers[-1].param_groups
+        for p in group["params"]
     ]
     torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
     Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.calls").write_text(str(len(calls)))

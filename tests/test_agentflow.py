@@ -15,7 +15,8 @@ from utils import cli, models
 
 def toy_args(tmp_path, *extra):
     return cli.parse_args(
-        agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+        agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
+    )
 
 
 def test_every_turn_of_a_trajectory_carries_its_group_normalised_reward():
@@ -35,7 +36,8 @@ def test_every_turn_of_a_trajectory_carries_its_group_normalised_reward():
 
 def test_turn_rows_variant_counts_long_trajectories_more():
     rows = agentflow.broadcast_advantages(
-        torch.tensor([1.0, 0.0]), [3, 1], group_size=2, mode="turn-rows")
+        torch.tensor([1.0, 0.0]), [3, 1], group_size=2, mode="turn-rows"
+    )
     # rows: 1, 1, 1, 0 → mean 0.75, sample std 0.5 → (1 − 0.75)/0.5 = 0.5 and (0 − 0.75)/0.5 = −1.5
     torch.testing.assert_close(rows, torch.tensor([0.5, 0.5, 0.5, -1.5]), atol=1e-3, rtol=0)
 
@@ -43,6 +45,7 @@ def test_turn_rows_variant_counts_long_trajectories_more():
 def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
     """The original's cut: 10 turn rows, 4 per optimiser step → 4, 4, 2 rows, every row once, in a
     random order fixed by (seed, step); 0 keeps the whole batch as one mini-batch."""
+
     class OneProcess:
         num_processes, process_index = 1, 0
 
@@ -57,7 +60,8 @@ def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
 
 
 def test_the_loss_is_one_token_mean_per_mini_batch_not_verls_mean_of_micro_batch_means(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """DEVIATION 1 on a real toy step: the script's loss (its micro-batches' losses, summed) is one
     token-mean over the mini-batch; verl 0.5.0's, a mean of 4-row micro-batch token-means, differs
     when the turns are of uneven length. Both are computed with the script's own flow_grpo_loss."""
@@ -70,15 +74,40 @@ def test_the_loss_is_one_token_mean_per_mini_batch_not_verls_mean_of_micro_batch
 
     monkeypatch.setattr(agentflow, "flow_grpo_loss", recorded)
     # a spread of advantages, so every row's tokens count (a toy step's groups can all be flat)
-    monkeypatch.setattr(agentflow, "broadcast_advantages",
-                        lambda rewards, turns, *a, **k: torch.linspace(-1.0, 1.0, sum(turns)))
-    agentflow.train(toy_args(
-        tmp_path, "--steps", "1", "--inner-steps", "1", "--no-ablation", "--eval-every", "5",
-        "--warm-start-steps", "20", "--micro-batch-tokens", "64"))  # one mini-batch, many micro
+    monkeypatch.setattr(
+        agentflow,
+        "broadcast_advantages",
+        lambda rewards, turns, *a, **k: torch.linspace(-1.0, 1.0, sum(turns)),
+    )
+    agentflow.train(
+        toy_args(
+            tmp_path,
+            "--steps",
+            "1",
+            "--inner-steps",
+            "1",
+            "--no-ablation",
+            "--eval-every",
+            "5",
+            "--warm-start-steps",
+            "20",
+            "--micro-batch-tokens",
+            "64",
+        )
+    )  # one mini-batch, many micro
     assert len(calls) > 2
     width = max(call[4].shape[1] for call in calls)
-    step = [torch.cat([torch.nn.functional.pad(call[i], (0, width - call[i].shape[1])) if i != 3
-                       else call[i] for call in calls]) for i in range(5)]
+    step = [
+        torch.cat(
+            [
+                torch.nn.functional.pad(call[i], (0, width - call[i].shape[1]))
+                if i != 3
+                else call[i]
+                for call in calls
+            ]
+        )
+        for i in range(5)
+    ]
     lengths = step[4].sum(1)
     assert lengths.min() < lengths.max()  # uneven turn lengths
     options = {k: v for k, v in calls[0][5].items() if k != "token_count"}
@@ -139,8 +168,7 @@ def scripted(outputs):
 
 @pytest.fixture(scope="module")
 def toy_world():
-    args = cli.parse_args(
-        agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
+    args = cli.parse_args(agentflow.Args, agentflow.PRESETS, ["--quiet", "--warm-start-steps", "1"])
     world = agent_toy.build_toy(args, torch.device("cpu"))
     agentflow.warm_start(world, world.train[: args.warm_start_demos], args)
     return world
@@ -154,7 +182,8 @@ def test_malformed_plan_is_an_error_observation_and_the_episode_goes_on(toy_worl
     query = two_step_query(toy_world)
     a, op, b = query["shape"]
     plan = scripted(
-        ["]] garbage ((", "lookup Z nothing", f"lookup A {a}", f"lookup B {b}", f"calc {op}"])
+        ["]] garbage ((", "lookup Z nothing", f"lookup A {a}", f"lookup B {b}", f"calc {op}"]
+    )
     (trajectory,) = agentflow.run_agent([query], toy_world, plan, max_turns=10)
     entries = trajectory["memory"].entries
     assert [e["ok"] for e in entries] == [False, False, True, True, True]
@@ -166,7 +195,8 @@ def test_malformed_plan_is_an_error_observation_and_the_episode_goes_on(toy_worl
 def test_the_turn_cap_holds(toy_world):
     query = two_step_query(toy_world)
     (trajectory,) = agentflow.run_agent(
-        [query], toy_world, scripted([f"lookup A {query['shape'][0]}"] * 10), max_turns=3)
+        [query], toy_world, scripted([f"lookup A {query['shape'][0]}"] * 10), max_turns=3
+    )
     assert len(trajectory["turns"]) == 3 and trajectory["verdicts"] == ["CONTINUE"] * 3
 
 
@@ -196,7 +226,8 @@ def tiny_planner(tmp_path):
     models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     (tmp_path / "qa.jsonl").write_text(
-        '{"question": "1 2", "answer": "3"}\n{"question": "2 1", "answer": "3"}\n')
+        '{"question": "1 2", "answer": "3"}\n{"question": "2 1", "answer": "3"}\n'
+    )
     (tmp_path / "corpus.jsonl").write_text('{"text": "one two three"}\n')
     return tmp_path / "tiny"
 
@@ -209,10 +240,32 @@ def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
         agentflow.Args,
         agentflow.PRESETS,
         [
-            "--preset", "full", "--model", str(model), "--data", str(tmp_path / "qa.jsonl"),
-            "--eval-data", str(tmp_path / "qa.jsonl"), "--corpus", str(tmp_path / "corpus.jsonl"),
-            "--steps", "1", "--queries-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
-            "--lora-rank", "4", "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")],
+            "--preset",
+            "full",
+            "--model",
+            str(model),
+            "--data",
+            str(tmp_path / "qa.jsonl"),
+            "--eval-data",
+            str(tmp_path / "qa.jsonl"),
+            "--corpus",
+            str(tmp_path / "corpus.jsonl"),
+            "--steps",
+            "1",
+            "--queries-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--lora-rank",
+            "4",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
     )
     # AgentFlow's setup; LoRA lr = 10 × 1e-6
     assert args.lr == 1e-5 and args.beta == 0.001 and args.clip_eps_high == 0.3
@@ -224,7 +277,9 @@ def test_full_preset_path_with_a_tiny_random_planner(tmp_path):
 def test_plan_parser_reads_the_official_fields_in_any_case():
     system = agent_tools.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
     assert system.parse_plan("Sub-Goal: find the\ncapital of France\nTool: retrieve") == (
-        "retrieve", "find the capital of France")
+        "retrieve",
+        "find the capital of France",
+    )
     assert system.parse_plan("**sub-goal:** x\n**tool:** Python") == ("python", "x")
     for bad in ["Tool: python", "Sub-Goal: x", "Sub-Goal: x\nTool: shell"]:
         with pytest.raises(ValueError):
@@ -253,9 +308,12 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
     system = agent_tools.ToolSystem([], [], None, None, lambda q: "found", 1.0, 8, 8, ())
     seen = []
     monkeypatch.setattr(
-        agent_tools.ToolSystem, "frozen",
-        lambda self, prompts, module, temperature=None:
-            seen.extend(prompts) or ["Paris"] * len(prompts))
+        agent_tools.ToolSystem,
+        "frozen",
+        lambda self, prompts, module, temperature=None: (
+            seen.extend(prompts) or ["Paris"] * len(prompts)
+        ),
+    )
     memory = agentflow.Memory()
     memory.add("retrieve", "capital of France", "capital France", "Paris is the capital", True)
     system.execute([({"question": "q"}, "retrieve", "check it", memory)])
@@ -283,16 +341,33 @@ def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch
     that analysis and "step k of at most N"; in training the frozen modules sample at the planner's
     temperature, at evaluation greedily (the original's)."""
     model = tiny_planner(tmp_path)
-    args = cli.parse_args(agentflow.Args, agentflow.PRESETS, [
-        "--preset", "full", "--model", str(model), "--data", str(tmp_path / "qa.jsonl"),
-        "--lora-rank", "4", "--max-new-tokens", "4", "--device", "cpu"])
+    args = cli.parse_args(
+        agentflow.Args,
+        agentflow.PRESETS,
+        [
+            "--preset",
+            "full",
+            "--model",
+            str(model),
+            "--data",
+            str(tmp_path / "qa.jsonl"),
+            "--lora-rank",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    )
     system = agent_tools.build_full(args, torch.device("cpu"))
     temperatures = []
 
     def frozen(self, prompts, module, temperature=None):
         temperatures.append(self.frozen_temperature)
-        return ["ANALYSIS-" + str(i) if p.startswith("Question") and "Analyse" in p else "STOP"
-                for i, p in enumerate(prompts)]
+        return [
+            "ANALYSIS-" + str(i) if p.startswith("Question") and "Analyse" in p else "STOP"
+            for i, p in enumerate(prompts)
+        ]
 
     monkeypatch.setattr(agent_tools.ToolSystem, "frozen", frozen)
     plan = agentflow.planner_sampler(system, 1.0, args)
@@ -323,5 +398,6 @@ def test_tool_output_cannot_forge_chat_turns():
     assert control_tokens(f"Memory:\nresult={forged!r}") == control_tokens("Memory:\nresult=''")
     assert "The answer is 7" in tokenizer.decode(tokenizer(system.chat(forged))["input_ids"])
     unescaped = tokenizer.apply_chat_template(
-        [{"role": "user", "content": forged}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": forged}], tokenize=False, add_generation_prompt=True
+    )
     assert sum(i in turn_tokens for i in tokenizer(unescaped)["input_ids"]) > control_tokens(forged)

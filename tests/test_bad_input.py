@@ -19,8 +19,11 @@ from utils import cli, models
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
 CLIP_FLAG = {
-    "flowrl": "--clip-eps", "flow_grpo": "--clip-range", "agentflow": "--clip-eps",
-    "rc_grpo": "--clip-eps"}
+    "flowrl": "--clip-eps",
+    "flow_grpo": "--clip-range",
+    "agentflow": "--clip-eps",
+    "rc_grpo": "--clip-eps",
+}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -34,7 +37,8 @@ def test_help_lists_every_flag(name, capsys):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize(
-    "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]])
+    "argv", [["--no-such-flag"], ["--group-size", "abc"], ["--preset", "nonsense"]]
+)
 def test_unknown_flags_and_bad_types_exit_with_argparse_usage(name, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, argv)
@@ -48,7 +52,8 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
         case
     ]
     args = cli.parse_args(
-        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
+        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
+    )
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS[name].train(args)
     message = str(exit_info.value)
@@ -57,8 +62,10 @@ def test_out_of_range_values_get_one_clear_message(name, case, tmp_path):
 
 def test_flow_grpo_refuses_to_train_on_the_ode(tmp_path):
     args = cli.parse_args(
-        flow_grpo.Args, flow_grpo.PRESETS,
-        ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)])
+        flow_grpo.Args,
+        flow_grpo.PRESETS,
+        ["--quiet", "--noise-level", "0", "--out-dir", str(tmp_path)],
+    )
     with pytest.raises(SystemExit, match="ODE"):
         flow_grpo.train(args)
 
@@ -87,13 +94,17 @@ def test_every_function_in_the_equation_map_exists_and_has_a_docstring(name):
 
 # ------------------------------------------------------------------------------ the output folder
 
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_an_out_dir_that_cannot_be_written_is_one_line(name, tmp_path):
     (tmp_path / "file").write_text("x")
-    for out_dir, message in [(tmp_path / "file", "is a file"),
-                             ("/sys/not-writable", "not a folder this user can write")]:
-        args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS,
-                              ["--quiet", "--out-dir", str(out_dir)])
+    for out_dir, message in [
+        (tmp_path / "file", "is a file"),
+        ("/sys/not-writable", "not a folder this user can write"),
+    ]:
+        args = cli.parse_args(
+            SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(out_dir)]
+        )
         with pytest.raises(SystemExit, match=message) as exit_info:
             SCRIPTS[name].train(args)
         assert "--out-dir" in str(exit_info.value) and "\n" not in str(exit_info.value)
@@ -102,33 +113,66 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(name, tmp_path):
 # --------------------------------------------------------- every bad number: one line naming it
 
 BAD_NUMBERS = {
-    "flowrl": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
-               ["--prompts-per-step", "0"], ["--max-new-tokens", "0"], ["--beta", "-1"],
-               ["--lr", "inf"], ["--lr", "nan"], ["--save-every", "-2"], ["--timeout", "0"]],
-    "flow_grpo": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatches", "0"],
-                  ["--prompts-per-epoch", "0"], ["--adv-clip", "-1"], ["--resolution", "7"],
-                  ["--ema", "1.5"], ["--beta", "nan"]],
-    "agentflow": [["--seed", "-1"], ["--eval-every", "0"], ["--minibatch-rows", "-1"],
-                  ["--queries-per-step", "0"], ["--max-new-tokens", "0"],
-                  ["--warm-start-demos", "0"], ["--tool-timeout", "-1"], ["--tool-timeout", "nan"],
-                  ["--careless", "2"]],
-    "rc_grpo": [["--seed", "-1"], ["--tasks-per-step", "0"], ["--max-new-tokens", "0"],
-                ["--lr", "inf"], ["--rare-share", "2"], ["--max-tasks", "-1"], ["--beta", "-1"]],
+    "flowrl": [
+        ["--seed", "-1"],
+        ["--eval-every", "0"],
+        ["--minibatches", "0"],
+        ["--prompts-per-step", "0"],
+        ["--max-new-tokens", "0"],
+        ["--beta", "-1"],
+        ["--lr", "inf"],
+        ["--lr", "nan"],
+        ["--save-every", "-2"],
+        ["--timeout", "0"],
+    ],
+    "flow_grpo": [
+        ["--seed", "-1"],
+        ["--eval-every", "0"],
+        ["--minibatches", "0"],
+        ["--prompts-per-epoch", "0"],
+        ["--adv-clip", "-1"],
+        ["--resolution", "7"],
+        ["--ema", "1.5"],
+        ["--beta", "nan"],
+    ],
+    "agentflow": [
+        ["--seed", "-1"],
+        ["--eval-every", "0"],
+        ["--minibatch-rows", "-1"],
+        ["--queries-per-step", "0"],
+        ["--max-new-tokens", "0"],
+        ["--warm-start-demos", "0"],
+        ["--tool-timeout", "-1"],
+        ["--tool-timeout", "nan"],
+        ["--careless", "2"],
+    ],
+    "rc_grpo": [
+        ["--seed", "-1"],
+        ["--tasks-per-step", "0"],
+        ["--max-new-tokens", "0"],
+        ["--lr", "inf"],
+        ["--rare-share", "2"],
+        ["--max-tasks", "-1"],
+        ["--beta", "-1"],
+    ],
 }
 
 
 @pytest.mark.parametrize("name, argv", [(n, a) for n, cases in BAD_NUMBERS.items() for a in cases])
 def test_every_bad_number_is_one_line_naming_its_flag(name, argv, tmp_path):
-    args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS,
-                          ["--quiet", "--out-dir", str(tmp_path), *argv])
+    args = cli.parse_args(
+        SCRIPTS[name].Args, SCRIPTS[name].PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
+    )
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS[name].train(args)
     message = str(exit_info.value)
     assert message.startswith("error:") and argv[0] in message and "\n" not in message, message
 
 
-@pytest.mark.parametrize("argv", [["--max-new-tokens", "-1"], ["--temperature", "nan"],
-                                  ["--temperature", "-1"], ["--n", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--max-new-tokens", "-1"], ["--temperature", "nan"], ["--temperature", "-1"], ["--n", "0"]],
+)
 def test_sample_refuses_bad_numbers_before_loading(argv, tmp_path):
     from utils import sample
 
@@ -138,15 +182,19 @@ def test_sample_refuses_bad_numbers_before_loading(argv, tmp_path):
 
 # ------------------------------------------------------ bad files: one line naming file and row
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8 text"),
-    (b"", "holds no rows"),
-    (b'{"question": "q", "answer": null}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
-    (b'{"question": "q", "answer": NaN}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
-    (b'{"question": "q", "answer": "  "}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
-    (b'{"question": "q", "answer": "a"}\n["q", "a"]\n', "rows.jsonl:2: expected a JSON object"),
-    (b'{"question": "q", "answer": "a"}\n{oops\n', "rows.jsonl:2: not JSON"),
-])
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8 text"),
+        (b"", "holds no rows"),
+        (b'{"question": "q", "answer": null}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+        (b'{"question": "q", "answer": NaN}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+        (b'{"question": "q", "answer": "  "}\n', "rows.jsonl:1: 'answer' must be a non-empty"),
+        (b'{"question": "q", "answer": "a"}\n["q", "a"]\n', "rows.jsonl:2: expected a JSON object"),
+        (b'{"question": "q", "answer": "a"}\n{oops\n', "rows.jsonl:2: not JSON"),
+    ],
+)
 def test_data_files_with_bad_rows_get_one_line(content, message, tmp_path):
     from envs import agent_tools
 
@@ -189,13 +237,17 @@ def test_a_corrupt_toy_cache_is_rebuilt_and_a_file_cache_dir_is_refused(tmp_path
     assert not digits.cached_models(cache, None, None)
     assert "unreadable" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
-    args = cli.parse_args(flow_grpo.Args, flow_grpo.PRESETS, [
-        "--quiet", "--out-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "file")])
+    args = cli.parse_args(
+        flow_grpo.Args,
+        flow_grpo.PRESETS,
+        ["--quiet", "--out-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "file")],
+    )
     with pytest.raises(SystemExit, match="--cache-dir .* is not a folder"):
         flow_grpo.train(args)
 
 
 # ------------------------------------------------------------------------------------- flowrl.py
+
 
 @pytest.mark.parametrize(
     "argv, message",
@@ -203,11 +255,13 @@ def test_a_corrupt_toy_cache_is_rebuilt_and_a_file_cache_dir_is_refused(tmp_path
         (["--preset", "full", "--data", ""], "needs --data"),
         (["--task", "numbers"], "needs --model"),
         (["--model", "smollm2"], "valleys toy builds its own model"),
-        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none")],
+        (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none"),
+    ],
 )
 def test_flowrl_bad_flags_get_one_clear_message(tmp_path, argv, message):
     args = cli.parse_args(
-        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv])
+        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *argv]
+    )
     with pytest.raises(SystemExit, match=message):
         flowrl.train(args)
 
@@ -219,8 +273,10 @@ def test_flowrl_bad_model_and_data_files_get_one_clear_message(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
     cases = [
         (
-            str(tmp_path / "no-such-model"), "tests/data/math_tiny.jsonl",
-            "could not load.*--preset toy"),
+            str(tmp_path / "no-such-model"),
+            "tests/data/math_tiny.jsonl",
+            "could not load.*--preset toy",
+        ),
         (str(tmp_path / "tiny"), str(tmp_path / "missing.jsonl"), "is not a file"),
         (str(tmp_path / "tiny"), str(tmp_path / "bad.jsonl"), "bad.jsonl:2: not JSON"),
     ]
@@ -229,8 +285,16 @@ def test_flowrl_bad_model_and_data_files_get_one_clear_message(tmp_path):
             flowrl.Args,
             flowrl.PRESETS,
             [
-                "--preset", "full", "--model", model, "--data", data, "--quiet", "--out-dir",
-                str(tmp_path / "run")],
+                "--preset",
+                "full",
+                "--model",
+                model,
+                "--data",
+                data,
+                "--quiet",
+                "--out-dir",
+                str(tmp_path / "run"),
+            ],
         )
         with pytest.raises(SystemExit, match=message):
             flowrl.train(args)
@@ -238,8 +302,11 @@ def test_flowrl_bad_model_and_data_files_get_one_clear_message(tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["--lora-rank", "4"]], ids=["one-process", "lora"])
 def test_fsdp_in_one_process_or_with_lora_is_one_line(extra, tmp_path):
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--fsdp", "--quiet", "--device", "cpu", "--out-dir", str(tmp_path), *extra])
+    args = cli.parse_args(
+        flowrl.Args,
+        flowrl.PRESETS,
+        ["--fsdp", "--quiet", "--device", "cpu", "--out-dir", str(tmp_path), *extra],
+    )
     with pytest.raises(SystemExit) as exit_info:
         flowrl.train(args)
     message = str(exit_info.value)
@@ -248,13 +315,16 @@ def test_fsdp_in_one_process_or_with_lora_is_one_line(extra, tmp_path):
 
 # ---------------------------------------------------------------------------------- flow_grpo.py
 
+
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--noise-level", "0"], "ODE"), (["--group-size", "1"], "group-size"),
+        (["--noise-level", "0"], "ODE"),
+        (["--group-size", "1"], "group-size"),
         (["--prompts", "/nonexistent.txt"], "not a file"),
         (["--reward", "no_such_module:score"], "--reward"),
-        (["--model", "/nonexistent/sd3"], "could not load")],
+        (["--model", "/nonexistent/sd3"], "could not load"),
+    ],
 )
 def test_flow_grpo_sd3_bad_input_gets_one_clear_message(tmp_path, tiny_sd3, extra, message):
     with pytest.raises(SystemExit, match=message):
@@ -270,7 +340,8 @@ def raising_reward(images, prompts):
 
 
 @pytest.mark.parametrize(
-    "fn, message", [("nan_reward", "finite score"), ("raising_reward", "reward server down")])
+    "fn, message", [("nan_reward", "finite score"), ("raising_reward", "reward server down")]
+)
 def test_a_reward_that_returns_nan_or_raises_gets_one_clear_message(
     tmp_path, tiny_sd3, fn, message
 ):
@@ -288,21 +359,25 @@ def test_flow_grpo_empty_and_malformed_prompt_files(tmp_path, tiny_sd3):
 
 # ------------------------------------------------------------------------------------ rc_grpo.py
 
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--arms", "sft+ppo"], "--arms"),
         (["--p-high", "1.5"], "p-high"),
-        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load")],
+        (["--preset", "bfcl", "--model", "/nonexistent/model"], "could not load"),
+    ],
 )
 def test_rc_grpo_bad_input_gets_one_clear_message(tmp_path, extra, message):
     args = cli.parse_args(
-        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+        rc_grpo.Args, rc_grpo.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
+    )
     with pytest.raises(SystemExit, match=message):
         rc_grpo.train(args)
 
 
 # ---------------------------------------------------------------------------------- agentflow.py
+
 
 @pytest.mark.parametrize(
     "extra, message",
@@ -311,13 +386,17 @@ def test_rc_grpo_bad_input_gets_one_clear_message(tmp_path, extra, message):
         (["--preset", "full", "--data", ""], "needs --data"),
         (
             ["--preset", "full", "--data", "/nonexistent.jsonl", "--model", "/nonexistent/model"],
-            "could not load"),
+            "could not load",
+        ),
     ],
 )
 def test_agentflow_bad_input_gets_one_clear_message(tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
-        agentflow.train(cli.parse_args(
-            agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]))
+        agentflow.train(
+            cli.parse_args(
+                agentflow.Args, agentflow.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
+            )
+        )
 
 
 def test_agentflow_missing_and_malformed_data_files(tmp_path):
@@ -325,6 +404,22 @@ def test_agentflow_missing_and_malformed_data_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     for data, message in [("missing.jsonl", "not a file"), ("bad.jsonl", "bad.jsonl:1")]:
         with pytest.raises(SystemExit, match=message):
-            agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, [
-                "--quiet", "--out-dir", str(tmp_path), "--preset", "full", "--model", str(model),
-                "--lora-rank", "4", "--data", str(tmp_path / data)]))
+            agentflow.train(
+                cli.parse_args(
+                    agentflow.Args,
+                    agentflow.PRESETS,
+                    [
+                        "--quiet",
+                        "--out-dir",
+                        str(tmp_path),
+                        "--preset",
+                        "full",
+                        "--model",
+                        str(model),
+                        "--lora-rank",
+                        "4",
+                        "--data",
+                        str(tmp_path / data),
+                    ],
+                )
+            )

@@ -25,16 +25,27 @@ def test_gpu_check_runs_each_scripts_own_train_with_tiny_configs_on_cpu():
     generate call's decode steps); the --fsdp job shards every decoder layer and the root of both
     the policy and π_ref."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"], cwd=ROOT,
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["job"] for r in rows] == [  # the longest last, for a timeout to cut
-        "flowrl --preset full", "flow_grpo --preset sd3",
-        "flowrl --preset full-7b --fsdp on 1 rank", "rc_grpo --preset bfcl"]
+        "flowrl --preset full",
+        "flow_grpo --preset sd3",
+        "flowrl --preset full-7b --fsdp on 1 rank",
+        "rc_grpo --preset bfcl",
+    ]
     tokens = ["rollout_s", "update_s", "rollout_tokens_per_s", "update_tokens_per_s"]
-    figures = [tokens, ["rollout_s", "update_s", "rollout_images_per_s", "update_images_per_s"],
-               tokens, tokens]
+    figures = [
+        tokens,
+        ["rollout_s", "update_s", "rollout_images_per_s", "update_images_per_s"],
+        tokens,
+        tokens,
+    ]
     for row, keys in zip(rows, figures):
         assert "error" not in row and all(math.isfinite(row[key]) for key in keys), row
     layers = 2  # gpu_check's tiny config
@@ -64,8 +75,9 @@ def test_gpu_check_reads_the_peak_of_each_phase_and_of_the_whole_run(monkeypatch
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: memory["peak"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 2 * memory["peak"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device: memory.update(peak=memory["now"]))
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device: memory.update(peak=memory["now"])
+    )
     counts = {"decode": 0}
     with gpu_check.phase_peaks(torch.device("cuda"), counts) as peaks:
         allocate(1)
@@ -88,10 +100,16 @@ def test_gpu_check_plans_every_full_scale_llm_preset_within_one_h200():
     activations and logits) of flowrl's full and rc_grpo's bfcl on one GPU, and of flowrl's
     full-7b per GPU of 8 under FSDP in both its phases, stays under 141 GB."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan"], cwd=ROOT,
-        capture_output=True, text=True, timeout=120)
-    plans = {json.loads(line)["preset"]: json.loads(line)["planned_peak_gib"]
-             for line in done.stdout.splitlines()}
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    plans = {
+        json.loads(line)["preset"]: json.loads(line)["planned_peak_gib"]
+        for line in done.stdout.splitlines()
+    }
     sharded = plans.pop("flowrl full-7b (qwen2.5-7b, fsdp, per gpu of 8)")
     totals = [plan["total"] for plan in [*plans.values(), sharded["update"], sharded["rollout"]]]
     assert len(totals) == 4 and all(0 < total < 141e9 / 2**30 for total in totals), plans

@@ -22,10 +22,11 @@ def test_group_advantages_hand_numbers():
     torch.testing.assert_close(a[3:], torch.tensor([-1.0, 0.0, 1.0]))  # mean 2, sample std 2
     torch.testing.assert_close(
         common.group_advantages(r, 3, scale="none"),
-        torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+        torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]),
+    )
     # the population std (RC-GRPO's σ_g, App. A.2): group 2's is sqrt(8/3), so A = ∓sqrt(3/2)
     population = common.group_advantages(r, 3, unbiased=False, eps=0.0)
-    torch.testing.assert_close(population[3:], torch.tensor([-1.5**0.5, 0.0, 1.5**0.5]))
+    torch.testing.assert_close(population[3:], torch.tensor([-(1.5**0.5), 0.0, 1.5**0.5]))
 
 
 def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
@@ -35,7 +36,8 @@ def test_degenerate_group_is_exact_zero_without_nan_in_value_or_grad():
     a.sum().backward()
     assert torch.isfinite(r.grad).all()
     assert common.zero_variance_fraction(
-        torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2) == pytest.approx(2 / 3)
+        torch.tensor([1.0, 1, 0, 1, 0.5, 0.5]), 2
+    ) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("bad", [dict(group_size=1), dict(group_size=4)])
@@ -56,7 +58,8 @@ def test_token_logprobs_equals_log_softmax_gather():
     ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
     torch.testing.assert_close(common.token_logprobs(logits, labels), ref)
     torch.testing.assert_close(
-        common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0)
+        common.token_logprobs(logits.bfloat16(), labels), ref, atol=0.05, rtol=0
+    )
 
 
 def test_masked_mean_and_sequence_logprob():
@@ -66,7 +69,8 @@ def test_masked_mean_and_sequence_logprob():
     torch.testing.assert_close(common.masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
     torch.testing.assert_close(flowrl.sequence_logprob(x, m), torch.tensor([3.0, 0.0]))
     torch.testing.assert_close(
-        flowrl.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0]))
+        flowrl.sequence_logprob(x, m, length_normalize=True), torch.tensor([1.5, 0.0])
+    )
 
 
 def test_gaussian_logprob_equals_normal_log_prob_averaged():
@@ -85,17 +89,27 @@ def script_losses():
 
     return {
         "flowrl.grpo_loss": lambda lp, old, adv, m, eps=0.2: flowrl.grpo_loss(
-            lp, old, adv, m, eps, m.sum()),
+            lp, old, adv, m, eps, m.sum()
+        ),
         "rc_grpo.rc_grpo_loss": lambda lp, old, adv, m, eps=0.2: rc_grpo.rc_grpo_loss(
-            lp, old, lp.detach(), adv, m, clip_eps=eps, beta=0.0, token_count=m.sum()),
+            lp, old, lp.detach(), adv, m, clip_eps=eps, beta=0.0, token_count=m.sum()
+        ),
         "agentflow.flow_grpo_loss": lambda lp, old, adv, m, eps=0.2: agentflow.flow_grpo_loss(
-            lp, old, lp.detach(), adv, m, clip=agentflow.Clip(low=eps, high=eps), beta=0.0,
-            token_count=m.sum()),
+            lp,
+            old,
+            lp.detach(),
+            adv,
+            m,
+            clip=agentflow.Clip(low=eps, high=eps),
+            beta=0.0,
+            token_count=m.sum(),
+        ),
     }
 
 
 @pytest.mark.parametrize(
-    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
+)
 def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
@@ -107,7 +121,8 @@ def test_clipped_loss_at_ratio_one_is_minus_advantage(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"])
+    "name", ["flowrl.grpo_loss", "rc_grpo.rc_grpo_loss", "agentflow.flow_grpo_loss"]
+)
 def test_clipped_loss_gradient_vanishes_where_clip_binds(name):
     old = torch.zeros(4, 1)
     # ratios 1.5 (A>0: clipped), 0.5 (A>0: not clipped), 1.5 (A<0: not clipped), 0.5 (A<0: clipped)
@@ -161,13 +176,15 @@ def test_k3_nonnegative_zero_at_equality_and_unbiased():
     est = common.kl_penalty(p.log()[y], q.log()[y], "k3").mean()
     assert est.item() == pytest.approx(exact.item(), abs=0.01)
     assert common.kl_penalty(p.log()[y], q.log()[y], "k1").mean().item() == pytest.approx(
-        exact.item(), abs=0.01)
+        exact.item(), abs=0.01
+    )
 
 
 def test_k3_log_ratio_clamp_keeps_a_far_token_finite_as_verl():
     """verl's low_var_kl clamps d = log π_ref − log π_θ to ±20 before e^d: a token 100 nats away
     gives k3 = 10 and a zero gradient; without that clamp e^100 overflows fp32 and the gradient
     through the ±10 clamp is NaN. Inside ±20 the clamp changes nothing."""
+
     def k3_and_grad(**limits):
         logp = torch.tensor([0.0, -1.0], requires_grad=True)
         kl = common.kl_penalty(logp, torch.tensor([100.0, -0.5]), "k3", limit=10.0, **limits)
@@ -180,9 +197,10 @@ def test_k3_log_ratio_clamp_keeps_a_far_token_finite_as_verl():
     assert torch.isnan(unclamped_grad[0]) and unclamped_grad[1] == grad[1]
     d = torch.randn(1000) * 5
     inside = d.clamp(-19.9, 19.9)
-    assert torch.equal(common.kl_penalty(torch.zeros(1000), inside, limit=10.0),
-                       common.kl_penalty(torch.zeros(1000), inside, limit=10.0,
-                                         log_ratio_limit=20.0))
+    assert torch.equal(
+        common.kl_penalty(torch.zeros(1000), inside, limit=10.0),
+        common.kl_penalty(torch.zeros(1000), inside, limit=10.0, log_ratio_limit=20.0),
+    )
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
@@ -225,8 +243,14 @@ def test_completion_logprobs_match_generate_scores_under_left_padding():
     enc = tok(["a b c", "d"], return_tensors="pt", padding=True)
     torch.manual_seed(0)
     out = model.generate(
-        **enc, do_sample=True, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=None)
+        **enc,
+        do_sample=True,
+        max_new_tokens=4,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )
     seq = out.sequences
     mask = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1)
     with torch.no_grad():
@@ -252,8 +276,10 @@ def test_parse_args_presets_and_errors():
 
     Args.__module__ = __name__
     a = cli.parse_args(
-        Args, {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
-        ["--preset", "full", "--lr", "0.5"])
+        Args,
+        {"full": {"model": "Qwen/Qwen2.5-0.5B", "lr": 1e-6}},
+        ["--preset", "full", "--lr", "0.5"],
+    )
     assert (a.model, a.lr, a.lora, a.preset) == ("Qwen/Qwen2.5-0.5B", 0.5, False, "full")
     with pytest.raises(SystemExit):
         cli.parse_args(Args, {}, ["--no-such-flag"])

@@ -31,14 +31,15 @@ def train_and_load(tmp_path, name, processes, flags, env=None):
     """Each rank's trainable parameters after `flags` ran in `processes` processes (1: in this
     process)."""
     prefix, common_flags = (
-        tmp_path / name, ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"])
+        tmp_path / name,
+        ["--out-dir", str(tmp_path / f"{name}-run"), "--quiet", "--device", "cpu"],
+    )
     if processes == 1:
         module = {"flowrl": flowrl, "flow_grpo": flow_grpo}[flags[0]]
         ddp_driver.optimizers.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.optim, "AdamW", ddp_driver.RecordingAdamW)
-            module.train(
-                cli.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
+            module.train(cli.parse_args(module.Args, module.PRESETS, [*flags[1:], *common_flags]))
         return [
             [
                 p.detach().clone()
@@ -47,12 +48,26 @@ def train_and_load(tmp_path, name, processes, flags, env=None):
             ]
         ]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={processes}", str(ROOT / "tests" / "ddp_driver.py"), flags[0],
-        str(prefix), *flags[1:], *common_flags]
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        str(ROOT / "tests" / "ddp_driver.py"),
+        flags[0],
+        str(prefix),
+        *flags[1:],
+        *common_flags,
+    ]
     # a hang (ranks in different collectives) fails the test instead of stalling the suite
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"OMP_NUM_THREADS": "1"} | (env or {}))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"} | (env or {}),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(tmp_path / f"{name}.rank{rank}.pt") for rank in range(processes)]
 
@@ -65,11 +80,31 @@ def distance(a, b):
     "flags",
     [
         [
-            "flowrl", "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2", "--group-size",
-            "16", "--eval-every", "100"],
+            "flowrl",
+            "--algo",
+            "grpo",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "16",
+            "--eval-every",
+            "100",
+        ],
         [
-            "flow_grpo", "--epochs", "2", "--prompts-per-epoch", "4", "--minibatches", "1",
-            "--eval-per-prompt", "2", "--eval-every", "100"],
+            "flow_grpo",
+            "--epochs",
+            "2",
+            "--prompts-per-epoch",
+            "4",
+            "--minibatches",
+            "1",
+            "--eval-per-prompt",
+            "2",
+            "--eval-every",
+            "100",
+        ],
     ],
     ids=["flowrl-grpo", "flow_grpo"],
 )
@@ -108,10 +143,26 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
     different numbers of micro-batches, and with mini-batches of 6 turn rows (3 a rank) different
     numbers of mini-batches: the count agreed by one all-reduce and one all-reduce per optimiser
     step keep them in step."""
-    flags = ["agentflow", "--steps", "2", "--queries-per-step", "2", "--group-size", "4",
-             "--micro-batch-tokens", "100", "--minibatch-rows", "6", "--warm-start-steps", "20",
-             "--no-ablation",
-             "--eval-every", "100", "--save-every", "0"]
+    flags = [
+        "agentflow",
+        "--steps",
+        "2",
+        "--queries-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--micro-batch-tokens",
+        "100",
+        "--minibatch-rows",
+        "6",
+        "--warm-start-steps",
+        "20",
+        "--no-ablation",
+        "--eval-every",
+        "100",
+        "--save-every",
+        "0",
+    ]
     rank0, rank1 = train_and_load(tmp_path, "uneven", 2, flags)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
 
@@ -124,11 +175,33 @@ def test_an_evaluation_with_fewer_queries_than_ranks_finishes(tmp_path):
     model = tiny_planner(tmp_path)
     first = (tmp_path / "qa.jsonl").read_text().splitlines()[0]
     (tmp_path / "one.jsonl").write_text(first + "\n")
-    flags = ["agentflow", "--preset", "full", "--model", str(model), "--data",
-             str(tmp_path / "qa.jsonl"), "--eval-data", str(tmp_path / "one.jsonl"), "--corpus",
-             str(tmp_path / "corpus.jsonl"), "--steps", "1", "--queries-per-step", "2",
-             "--group-size", "2", "--max-new-tokens", "6", "--lora-rank", "4", "--save-every",
-             "0", "--timeout", "60"]
+    flags = [
+        "agentflow",
+        "--preset",
+        "full",
+        "--model",
+        str(model),
+        "--data",
+        str(tmp_path / "qa.jsonl"),
+        "--eval-data",
+        str(tmp_path / "one.jsonl"),
+        "--corpus",
+        str(tmp_path / "corpus.jsonl"),
+        "--steps",
+        "1",
+        "--queries-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--lora-rank",
+        "4",
+        "--save-every",
+        "0",
+        "--timeout",
+        "60",
+    ]
     rank0, rank1 = train_and_load(tmp_path, "one-query", 2, flags)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
 
@@ -137,11 +210,28 @@ def test_uneven_rc_grpo_ranks_finish_and_agree_after_one_stage_1(tmp_path):
     """RC-GRPO's dialogues differ in length per rank: with a small token budget the ranks run
     different numbers of micro-batches and still end with the same weights. Stage 1 runs once, on
     rank 0 (rank 1 runs no supervised fine-tuning at all), and both ranks load its file."""
-    flags = ["rc_grpo", "--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60",
-             "--toy-test-tasks", "4", "--tasks-per-step", "4", "--failure-rollouts", "1",
-             "--micro-batch-tokens", "60", "--save-every", "0"]
-    rank0, rank1 = train_and_load(tmp_path, "uneven-rc", 2, flags,
-                                  {"COUNT_CALLS": "supervised_finetune"})
+    flags = [
+        "rc_grpo",
+        "--steps",
+        "2",
+        "--arms",
+        "rctp+rc-grpo",
+        "--toy-tasks",
+        "60",
+        "--toy-test-tasks",
+        "4",
+        "--tasks-per-step",
+        "4",
+        "--failure-rollouts",
+        "1",
+        "--micro-batch-tokens",
+        "60",
+        "--save-every",
+        "0",
+    ]
+    rank0, rank1 = train_and_load(
+        tmp_path, "uneven-rc", 2, flags, {"COUNT_CALLS": "supervised_finetune"}
+    )
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
     calls = [int((tmp_path / f"uneven-rc.rank{r}.calls").read_text()) for r in range(2)]
     assert calls[0] == 2 and calls[1] == 0  # the toy's base model and RCTP-FT, on rank 0 only
@@ -150,8 +240,21 @@ def test_uneven_rc_grpo_ranks_finish_and_agree_after_one_stage_1(tmp_path):
 def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
     """Every rank evaluates (sharded where it samples), so none waits in a collective while
     another evaluates: each evaluation takes 8 s more, the process group gives up after 4 s."""
-    flags = ["flowrl", "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2",
-             "--group-size", "8", "--eval-every", "1", "--timeout", "4"]
+    flags = [
+        "flowrl",
+        "--algo",
+        "grpo",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "8",
+        "--eval-every",
+        "1",
+        "--timeout",
+        "4",
+    ]
     rank0, rank1 = train_and_load(tmp_path, "slow-eval", 2, flags, {"SLOW_EVAL_SECONDS": "8"})
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
 

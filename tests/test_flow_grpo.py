@@ -19,8 +19,10 @@ def cache_dir(flow_grpo_cache):
 
 def toy_args(tmp_path, cache_dir, *extra):
     return cli.parse_args(
-        flow_grpo.Args, flow_grpo.PRESETS,
-        ["--quiet", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), *extra])
+        flow_grpo.Args,
+        flow_grpo.PRESETS,
+        ["--quiet", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), *extra],
+    )
 
 
 def gaussian_velocity(mu, s0):
@@ -73,7 +75,8 @@ def test_logprob_is_the_gaussian_density_and_rescoring_reproduces_it():
 def test_the_ode_has_no_logprob():
     with pytest.raises(ValueError, match="no log-prob"):
         flow_grpo.sde_step_with_logprob(
-            torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.4, noise_level=0.0)
+            torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.4, noise_level=0.0
+        )
 
 
 @pytest.mark.parametrize("noise_level", [0.3, 0.7, 1.0])
@@ -85,7 +88,8 @@ def test_sde_and_ode_sampling_reach_the_same_marginal(noise_level):
     ode, _ = flow_grpo.rollout(velocity, noise, sigmas, (None,), (None,), 1.0, 0.0)
     step_noise = torch.randn(200, 20000, 4, generator=torch.Generator().manual_seed(1))
     sde, log_probs = flow_grpo.rollout(
-        velocity, noise, sigmas, (None,), (None,), 1.0, noise_level, step_noise)
+        velocity, noise, sigmas, (None,), (None,), 1.0, noise_level, step_noise
+    )
     for final in (ode[-1], sde[-1]):
         assert final.mean().item() == pytest.approx(mu, abs=0.01)
         assert final.std().item() == pytest.approx(s0, abs=0.01)
@@ -111,7 +115,8 @@ def test_classifier_free_guidance():
     velocity = lambda x, t, cond: x * cond[0]  # noqa: E731  (v_c = 3x, v_∅ = x)
     x = torch.ones(2, 1)
     out = flow_grpo.guided_velocity(
-        velocity, x, 0.5, (torch.full((2, 1), 3.0),), (torch.ones(2, 1),), 4.5)
+        velocity, x, 0.5, (torch.full((2, 1), 3.0),), (torch.ones(2, 1),), 4.5
+    )
     torch.testing.assert_close(out, x * (1 + 4.5 * 2))
 
 
@@ -132,12 +137,44 @@ def sd3_args(tmp_path, tiny, *extra):
         flow_grpo.Args,
         flow_grpo.PRESETS,
         [
-            "--preset", "sd3", "--model", str(sd3), "--reward", "clip", "--reward-model", str(clip),
-            "--prompts", str(prompts), "--epochs", "2", "--prompts-per-epoch", "2", "--group-size",
-            "2", "--resolution", "16", "--train-steps", "3", "--eval-steps", "2",
-            "--eval-per-prompt", "2", "--mixed-precision", "fp32", "--device", "cpu", "--quiet",
-            "--eval-prompts", str(prompts), "--eval-batch", "4", "--no-gradient-checkpointing",
-            "--out-dir", str(tmp_path), *extra],
+            "--preset",
+            "sd3",
+            "--model",
+            str(sd3),
+            "--reward",
+            "clip",
+            "--reward-model",
+            str(clip),
+            "--prompts",
+            str(prompts),
+            "--epochs",
+            "2",
+            "--prompts-per-epoch",
+            "2",
+            "--group-size",
+            "2",
+            "--resolution",
+            "16",
+            "--train-steps",
+            "3",
+            "--eval-steps",
+            "2",
+            "--eval-per-prompt",
+            "2",
+            "--mixed-precision",
+            "fp32",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--eval-prompts",
+            str(prompts),
+            "--eval-batch",
+            "4",
+            "--no-gradient-checkpointing",
+            "--out-dir",
+            str(tmp_path),
+            *extra,
+        ],
     )
 
 
@@ -154,10 +191,12 @@ def test_sd3_preset_path_with_tiny_components_and_lora_round_trip(tmp_path, tiny
     embeds, pooled = torch.randn(1, 8, 32), torch.randn(1, 64)
     with torch.no_grad():
         base = pipe.transformer(
-            hidden_states=x, timestep=t, encoder_hidden_states=embeds, pooled_projections=pooled)[0]
+            hidden_states=x, timestep=t, encoder_hidden_states=embeds, pooled_projections=pooled
+        )[0]
         pipe.load_lora_weights(tmp_path / "lora")
         tuned = pipe.transformer(
-            hidden_states=x, timestep=t, encoder_hidden_states=embeds, pooled_projections=pooled)[0]
+            hidden_states=x, timestep=t, encoder_hidden_states=embeds, pooled_projections=pooled
+        )[0]
     assert (tuned - base).abs().max() > 1e-6
 
 
@@ -173,10 +212,15 @@ def test_sd3_reference_is_the_disabled_adapter(tmp_path, tiny_sd3):
             if "lora_B" in name:
                 p.add_(0.1)  # move the adapter away from its zero init
         policy_v, ref_v = (
-            task.velocity(task.policy, x, sigma, cond), task.ref_velocity(x, sigma, cond))
+            task.velocity(task.policy, x, sigma, cond),
+            task.ref_velocity(x, sigma, cond),
+        )
         base_v = base(
-            hidden_states=x, timestep=1000 * sigma[None], encoder_hidden_states=cond[0],
-            pooled_projections=cond[1])[0]
+            hidden_states=x,
+            timestep=1000 * sigma[None],
+            encoder_hidden_states=cond[0],
+            pooled_projections=cond[1],
+        )[0]
     torch.testing.assert_close(ref_v, base_v)
     assert (policy_v - ref_v).abs().max() > 1e-4
     # and the adapter is back on after the reference pass
@@ -187,17 +231,30 @@ def test_ode_rollout_equals_the_diffusers_pipeline(tmp_path, tiny_sd3):
     from diffusers import StableDiffusion3Pipeline
 
     task = sd3.SD3Task(
-        sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4", "--guidance", "4.5"), torch.device("cpu"))
+        sd3_args(tmp_path, tiny_sd3, "--lora-rank", "4", "--guidance", "4.5"), torch.device("cpu")
+    )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3[0])
     noise = torch.randn(2, *task.latent_shape, generator=torch.Generator().manual_seed(0))
     cond, empty = task.encode(["a red cat", "a dog"]), task.empty(2)
     latents, _ = flow_grpo.rollout(
-        lambda x, s, c: task.velocity(task.policy, x, s, c), noise,
-        flow_grpo.schedule(6, 3.0, torch.device("cpu")), cond, empty, 4.5, 0.0)
+        lambda x, s, c: task.velocity(task.policy, x, s, c),
+        noise,
+        flow_grpo.schedule(6, 3.0, torch.device("cpu")),
+        cond,
+        empty,
+        4.5,
+        0.0,
+    )
     expected = pipe(
-        prompt_embeds=cond[0], pooled_prompt_embeds=cond[1], negative_prompt_embeds=empty[0],
-        negative_pooled_prompt_embeds=empty[1], latents=noise.clone(), num_inference_steps=6,
-        guidance_scale=4.5, output_type="latent").images
+        prompt_embeds=cond[0],
+        pooled_prompt_embeds=cond[1],
+        negative_prompt_embeds=empty[0],
+        negative_pooled_prompt_embeds=empty[1],
+        latents=noise.clone(),
+        num_inference_steps=6,
+        guidance_scale=4.5,
+        output_type="latent",
+    ).images
     torch.testing.assert_close(latents[-1], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -212,7 +269,8 @@ def test_evaluation_runs_in_chunks_and_needs_a_held_out_file(tmp_path, tiny_sd3)
     task.reward = lambda images, batch: seen.append(len(batch)) or reward(images, batch)
     velocity = lambda x, s, c: task.velocity(task.policy, x, s, c)  # noqa: E731
     metrics, _ = flow_grpo.evaluate(
-        task, args, velocity, flow_grpo.schedule(2, 3.0, torch.device("cpu")), accelerator)
+        task, args, velocity, flow_grpo.schedule(2, 3.0, torch.device("cpu")), accelerator
+    )
     assert seen == [2, 2, 2, 2, 1] and math.isfinite(metrics["reward"])
     args.eval_prompts = ""
     with pytest.raises(SystemExit, match="--eval-prompts"):
@@ -227,13 +285,21 @@ def tiny_full_size_transformer():
 
     torch.manual_seed(0)
     net = SD3Transformer2DModel(
-        sample_size=64, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8,
-        num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=32,
-        pooled_projection_dim=32, out_channels=16).requires_grad_(False)
+        sample_size=64,
+        patch_size=2,
+        in_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_projection_dim=16,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        out_channels=16,
+    ).requires_grad_(False)
     net.add_adapter(
         LoraConfig(
-            r=4, lora_alpha=8, init_lora_weights="gaussian",
-            target_modules=sd3.SD3_LORA_TARGETS)
+            r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=sd3.SD3_LORA_TARGETS
+        )
     )
     for name, p in net.named_parameters():
         if "lora_B" in name:
@@ -248,26 +314,40 @@ def policy_gradient(net, dtype, j, loss_scale=1.0):
     sigmas = flow_grpo.schedule(10, 3.0, torch.device("cpu"))
     gen = torch.Generator().manual_seed(j)
     x, embeds, pooled = (
-        torch.randn(2, 16, 64, 64, generator=gen), torch.randn(2, 8, 32, generator=gen),
-        torch.randn(2, 32, generator=gen))
+        torch.randn(2, 16, 64, 64, generator=gen),
+        torch.randn(2, 8, 32, generator=gen),
+        torch.randn(2, 32, generator=gen),
+    )
 
     def velocity(x, sigma, cond):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             return net(
-                hidden_states=x, timestep=(1000 * sigma).expand(len(x)),
-                encoder_hidden_states=cond[0], pooled_projections=cond[1], return_dict=False
+                hidden_states=x,
+                timestep=(1000 * sigma).expand(len(x)),
+                encoder_hidden_states=cond[0],
+                pooled_projections=cond[1],
+                return_dict=False,
             )[0].float()
 
     params = [p for p in net.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
     v = flow_grpo.guided_velocity(
-        velocity, x, sigmas[j], (embeds, pooled), (embeds * 0, pooled * 0), 4.5)
+        velocity, x, sigmas[j], (embeds, pooled), (embeds * 0, pooled * 0), 4.5
+    )
     x_next, old_logp, _, _ = flow_grpo.sde_step_with_logprob(
-        v.detach(), x, sigmas[j], sigmas[j + 1], 0.7, noise=torch.randn(x.shape, generator=gen))
+        v.detach(), x, sigmas[j], sigmas[j + 1], 0.7, noise=torch.randn(x.shape, generator=gen)
+    )
     loss, _, _ = flow_grpo.step_loss(
-        v, None, x, x_next, sigmas=sigmas[j : j + 2], old_logp=old_logp,
-        advantages=torch.ones(2), objective=objective)
+        v,
+        None,
+        x,
+        x_next,
+        sigmas=sigmas[j : j + 2],
+        old_logp=old_logp,
+        advantages=torch.ones(2),
+        objective=objective,
+    )
     (loss * loss_scale / 36).backward()
     return torch.cat([p.grad.flatten() / loss_scale for p in params])
 
@@ -308,9 +388,23 @@ def test_the_ema_steps_once_per_training_batch_as_the_original(tmp_path, tiny_sd
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     monkeypatch.setattr(flow_grpo, "swapped", recording_swap)
     # 4 rows per epoch → 2 mini-batches (optimiser steps) of 2 training batches of 1 row
-    flow_grpo.train(sd3_args(
-        tmp_path, tiny_sd3, "--epochs", "12", "--minibatches", "2", "--micro-batch", "1",
-        "--no-drop-zero-advantage", "--ema", "0.9", "--lr", "1e-2"))
+    flow_grpo.train(
+        sd3_args(
+            tmp_path,
+            tiny_sd3,
+            "--epochs",
+            "12",
+            "--minibatches",
+            "2",
+            "--micro-batch",
+            "1",
+            "--no-drop-zero-advantage",
+            "--ema",
+            "0.9",
+            "--lr",
+            "1e-2",
+        )
+    )
     assert len(weights) == 24
     ema = [w.clone() for w in used[0]]  # the weights before any step
     updates = 0

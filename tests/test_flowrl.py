@@ -15,14 +15,16 @@ from utils import cli, models
 
 def toy_args(tmp_path, *extra):
     return cli.parse_args(
-        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra])
+        flowrl.Args, flowrl.PRESETS, ["--quiet", "--out-dir", str(tmp_path), *extra]
+    )
 
 
 def test_trajectory_balance_loss_hand_numbers():
     log_z = torch.tensor([0.5, 0.5])
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5]))
+        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5])
+    )
     # residuals: 0.5 − 1 − 2 + 1.5 = −1 ; 0.5 − 2 − 0 + 1 = −0.5 → mean(1·1, 0.5·0.25) = 0.5625
     torch.testing.assert_close(residual, torch.tensor([-1.0, -0.5]))
     assert loss.item() == pytest.approx(0.5625)
@@ -37,13 +39,15 @@ def test_loss_and_gradient_vanish_at_the_target_with_the_true_normaliser():
     log_z = (torch.logsumexp(ref_seq + beta * length * reward, 0) / length).requires_grad_()
     logp = (log_target / length).clone().requires_grad_()  # length-normalised
     loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref_seq / length, reward, beta, torch.ones(64))
+        log_z, logp, ref_seq / length, reward, beta, torch.ones(64)
+    )
     loss.backward()
     assert residual.abs().max() < 1e-5 and loss.item() < 1e-10
     assert logp.grad.abs().max() < 1e-6 and log_z.grad.abs() < 1e-5
     # and a wrong normaliser is not an optimum
     loss_off, _ = flowrl.trajectory_balance_loss(
-        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64))
+        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64)
+    )
     assert loss_off.item() > 1e-3
 
 
@@ -69,7 +73,8 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
             prob = 1.0
             for t in range(3):
                 probs = torch.softmax(
-                    model(input_ids=torch.tensor([prompt + list(answer[:t])])).logits[0, -1], -1)
+                    model(input_ids=torch.tensor([prompt + list(answer[:t])])).logits[0, -1], -1
+                )
                 prob *= probs[answer[t]].item()
             assert pi[j] == pytest.approx(prob, rel=1e-4)
     # KL(π_ref‖p*) in closed form: log E_ref[e^{3βr}] − 3β·E_ref[r]
@@ -78,7 +83,8 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     closed = torch.log((p * torch.exp(3.0 * r)).sum()) - 3.0 * (p * r).sum()
     assert closed.item() == pytest.approx(_kl(pi, target), abs=1e-4)
     assert metrics["kl_policy_to_target"] == pytest.approx(
-        sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4)
+        sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4
+    )
 
 
 def _kl(p, q):
@@ -91,7 +97,8 @@ def test_toy_with_lora_runs_and_scores_what_it_sampled(tmp_path):
     scores what the sampler drew."""
     summary = flowrl.train(
         toy_args(
-            tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2", "--group-size", "16")
+            tmp_path, "--lora-rank", "8", "--steps", "2", "--eval-every", "2", "--group-size", "16"
+        )
     )
     assert summary["sampler_logprob_max_dev"] < 1e-3
 
@@ -159,17 +166,38 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
     from transformers import AutoModelForCausalLM
 
     tokenizer = models.make_tokenizer(
-        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
+        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789")
+    )
     models.tiny_causal_lm(len(tokenizer)).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     args = cli.parse_args(
         flowrl.Args,
         flowrl.PRESETS,
         [
-            "--preset", "full", "--model", str(tmp_path / "tiny"), "--data",
-            "tests/data/math_tiny.jsonl", "--eval-data", "tests/data/math_tiny.jsonl", "--steps",
-            "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
-            "--eval-k", "2", "--quiet", "--out-dir", str(tmp_path / "run"), "--device", "cpu"],
+            "--preset",
+            "full",
+            "--model",
+            str(tmp_path / "tiny"),
+            "--data",
+            "tests/data/math_tiny.jsonl",
+            "--eval-data",
+            "tests/data/math_tiny.jsonl",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--eval-k",
+            "2",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--device",
+            "cpu",
+        ],
     )
     # FlowRL's paper defaults
     assert args.beta == 15.0 and args.reward_norm == "group" and args.lr == 1e-6
@@ -184,7 +212,8 @@ def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     flowrl.train(
-        toy_args(tmp_path, "--steps", "2", "--group-size", "4", "--report-to", "tensorboard"))
+        toy_args(tmp_path, "--steps", "2", "--group-size", "4", "--report-to", "tensorboard")
+    )
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -249,9 +278,26 @@ def test_laptop_tasks_run_end_to_end(tmp_path, tiny_chat_model, task, algo):
     preset = f"smollm2-{task}"
     summary = flowrl.train(
         toy_args(
-            tmp_path, "--preset", preset, "--model", str(tiny_chat_model), "--algo", algo,
-            "--steps", "2", "--eval-every", "1", "--group-size", "2", "--spread-samples", "4",
-            "--max-new-tokens", "2", "--device", "cpu")
+            tmp_path,
+            "--preset",
+            preset,
+            "--model",
+            str(tiny_chat_model),
+            "--algo",
+            algo,
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--group-size",
+            "2",
+            "--spread-samples",
+            "4",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+        )
     )
     assert summary["sampler_logprob_max_dev"] < 1e-3
     if task == "numbers":
@@ -282,12 +328,20 @@ def test_spread_sweep_row_and_claim():
 
     summaries = {
         "flowrl": summary(0.5, 8, 1.2) | {"before": summary(0.2, 6, 1.0)},
-        "grpo": summary(0.7, 4, 0.6)}
+        "grpo": summary(0.7, 4, 0.6),
+    }
     row = flowrl_tasks.spread_row(summaries)
     assert row == {
-        "reward_start": 0.2, "reward_flowrl": 0.5, "reward_grpo": 0.7, "distinct_start": 6,
-        "distinct_flowrl": 8, "distinct_grpo": 4, "entropy_start": 1.0, "entropy_flowrl": 1.2,
-        "entropy_grpo": 0.6}
+        "reward_start": 0.2,
+        "reward_flowrl": 0.5,
+        "reward_grpo": 0.7,
+        "distinct_start": 6,
+        "distinct_flowrl": 8,
+        "distinct_grpo": 4,
+        "entropy_start": 1.0,
+        "entropy_flowrl": 1.2,
+        "entropy_grpo": 0.6,
+    }
     assert flowrl_tasks.spread_claim(row)
     assert not flowrl_tasks.spread_claim(row | {"entropy_flowrl": 0.5})
     assert not flowrl_tasks.spread_claim(row | {"reward_flowrl": 0.1})
@@ -298,8 +352,10 @@ def test_train_takes_args_built_in_python(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["preset"] == "toy" and config["steps"] == 2 and config["eval_every"] == 2
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
-    assert summary["kl_policy_to_target"] == json.loads(
-        (tmp_path / "summary.json").read_text())["kl_policy_to_target"]
+    assert (
+        summary["kl_policy_to_target"]
+        == json.loads((tmp_path / "summary.json").read_text())["kl_policy_to_target"]
+    )
 
 
 def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
@@ -337,8 +393,11 @@ def test_full_7b_runs_one_pass_at_the_originals_batch_and_evaluation_cadence(tmp
     assert flowrl.rollout_batches(args, 34 * 512) == 34
     assert flowrl.rollout_batches(args, 35 * 512 - 1) == 34
     # a run's length follows from its prompts: the toy's 4, one pass of B = 2 → 2 rollout batches
-    summary = flowrl.train(toy_args(
-        tmp_path, "--sampling", "shuffle", "--total-epochs", "1", "--prompts-per-step", "2"))
+    summary = flowrl.train(
+        toy_args(
+            tmp_path, "--sampling", "shuffle", "--total-epochs", "1", "--prompts-per-step", "2"
+        )
+    )
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["steps"] == 2 and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert "kl_policy_to_target" in summary
@@ -352,12 +411,27 @@ def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path,
     import accelerate.utils
 
     tokenizer = models.make_tokenizer(
-        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789"))
+        "What is 1 + 2 3 ? Half of Please reason step by step".split() + list("0123456789")
+    )
     model = models.tiny_causal_lm(len(tokenizer))
-    args = toy_args(tmp_path, "--preset", "full", "--model", "tiny", "--data", "x.jsonl",
-                    "--eval-k", "4", "--max-new-tokens", "6", "--mixed-precision", "fp32")
-    task = types.SimpleNamespace(kind="math", eval_rows=[("What is 1 + 2 ?", "3"),
-                                                         ("Half of 4 ?", "2")])
+    args = toy_args(
+        tmp_path,
+        "--preset",
+        "full",
+        "--model",
+        "tiny",
+        "--data",
+        "x.jsonl",
+        "--eval-k",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--mixed-precision",
+        "fp32",
+    )
+    task = types.SimpleNamespace(
+        kind="math", eval_rows=[("What is 1 + 2 ?", "3"), ("Half of 4 ?", "2")]
+    )
     drawn = []
     sample = common.sample_completions
 

@@ -42,8 +42,21 @@ def assert_same_training(tmp_path, flags, initial):
 def test_sharded_toy_trains_what_one_process_trains(tmp_path):
     """The valleys toy (a Qwen2ForCausalLM), the GRPO-KL control: π_old and π_ref scored by
     sharded models, fp32."""
-    flags = ["flowrl", "--algo", "grpo-kl", "--steps", "2", "--prompts-per-step", "2",
-             "--group-size", "16", "--eval-every", "100", "--mixed-precision", "fp32"]
+    flags = [
+        "flowrl",
+        "--algo",
+        "grpo-kl",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "16",
+        "--eval-every",
+        "100",
+        "--mixed-precision",
+        "fp32",
+    ]
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, flags[1:])
     assert_same_training(tmp_path, flags, flowrl_tasks.build_toy(args)[1])
 
@@ -53,20 +66,53 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
     and 62 tokens wide, so a 120-token budget packs rank 0's two rows in 1 micro-batch and rank
     1's in 2: rank 0 runs an empty one, or rank 1's second all-gather would wait forever (the
     subprocess timeout fails the test instead)."""
-    flags = ["flowrl", "--preset", "full", "--model", "smollm2", "--data", MATH, "--algo", "grpo",
-             "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
-             "--max-new-tokens", "6", "--micro-batch-tokens", "120", "--lr", "1e-5",
-             "--warmup-steps", "0", "--eval-every", "100", "--save-every", "0",
-             "--mixed-precision", "fp32"]
+    flags = [
+        "flowrl",
+        "--preset",
+        "full",
+        "--model",
+        "smollm2",
+        "--data",
+        MATH,
+        "--algo",
+        "grpo",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--micro-batch-tokens",
+        "120",
+        "--lr",
+        "1e-5",
+        "--warmup-steps",
+        "0",
+        "--eval-every",
+        "100",
+        "--save-every",
+        "0",
+        "--mixed-precision",
+        "fp32",
+    ]
     _, initial = models.load_causal_lm("smollm2", torch.device("cpu"))
     assert_same_training(tmp_path, flags, initial)
 
 
 def save_tiny_math_model(folder):
     """A tiny random Qwen2 with a word vocabulary over the math prompts, saved to `folder`."""
-    words = [*flowrl_tasks.MATH_SUFFIX.split(), *(
-        word for line in Path(MATH).read_text().splitlines()
-        for word in json.loads(line).get("prompt", json.loads(line).get("problem")).split())]
+    words = [
+        *flowrl_tasks.MATH_SUFFIX.split(),
+        *(
+            word
+            for line in Path(MATH).read_text().splitlines()
+            for word in json.loads(line).get("prompt", json.loads(line).get("problem")).split()
+        ),
+    ]
     tokenizer = models.make_tokenizer(words + [str(n) for n in range(10)])
     models.tiny_causal_lm(len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -60,8 +60,9 @@ def test_every_accepted_seed_gives_rollout_seeds_a_generator_takes():
     for seed in drawn_seeds():
         common.seed_everything(seed)
         torch.Generator().manual_seed(seed + 1)  # flow_grpo's and bfcl_toy's second stream
-        groups = [distributed.sampling_seed(seed, step, g) for step in (1, 400, 10**6)
-                  for g in (0, 1, 63)]
+        groups = [
+            distributed.sampling_seed(seed, step, g) for step in (1, 400, 10**6) for g in (0, 1, 63)
+        ]
         row_seeds = distributed.row_seeds(groups, group_size)
         assert len(set(row_seeds)) == len(row_seeds) == len(groups) * group_size
         for k, row_seed in enumerate(row_seeds):
@@ -76,9 +77,21 @@ def test_every_accepted_seed_gives_rollout_seeds_a_generator_takes():
 @pytest.mark.long
 def test_flowrl_trains_at_the_largest_seed(tmp_path):
     """The run that used to die at its first rollout (seed ≥ 184 462) trains at 2³² − 1."""
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--seed", str(cli.SEED_MAX), "--steps", "2", "--quiet", "--device", "cpu",
-        "--out-dir", str(tmp_path / "run")])
+    args = cli.parse_args(
+        flowrl.Args,
+        flowrl.PRESETS,
+        [
+            "--seed",
+            str(cli.SEED_MAX),
+            "--steps",
+            "2",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
+    )
     summary = flowrl.train(args)
     assert summary["wall_seconds"] > 0
 
@@ -119,8 +132,10 @@ def _save_and_resume_on_rank(rank, port, folder):
     current["state"] = fake_cuda_state(rank, 2)  # the generators move on, then the run resumes
     torch.manual_seed(999)
     tracking.load_training_state(path, {"model": model}, {}, {})
-    torch.save({"cuda": current["state"], "cpu": torch.get_rng_state(), "saved_cpu": cpu_state},
-               Path(folder) / f"restored.{rank}.pt")
+    torch.save(
+        {"cuda": current["state"], "cpu": torch.get_rng_state(), "saved_cpu": cpu_state},
+        Path(folder) / f"restored.{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -198,8 +213,11 @@ def test_the_final_json_is_printed_under_rank_zero_only(name):
     """In each script's `__main__` block, every print of a JSON dump sits under
     `distributed.is_rank_zero()`."""
     tree = ast.parse((ROOT / f"{name}.py").read_text())
-    main = next(node for node in tree.body if isinstance(node, ast.If)
-                and ast.unparse(node.test) == "__name__ == '__main__'")
+    main = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+    )
     guarded, prints = set(), []
     for node in ast.walk(main):
         if isinstance(node, ast.If) and ast.unparse(node.test) == "distributed.is_rank_zero()":
@@ -222,11 +240,32 @@ def test_is_rank_zero_reads_the_launchers_rank(monkeypatch):
 def test_two_processes_print_one_final_json(tmp_path):
     """flowrl's toy on two CPU processes (torchrun, gloo): one summary on stdout, not two."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "flowrl.py", "--algo", "grpo", "--steps", "1", "--prompts-per-step", "2", "--quiet",
-        "--device", "cpu", "--out-dir", str(tmp_path / "run")]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "flowrl.py",
+        "--algo",
+        "grpo",
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--quiet",
+        "--device",
+        "cpu",
+        "--out-dir",
+        str(tmp_path / "run"),
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count('"wall_seconds"') == 1
     start = done.stdout.index("{")
@@ -238,13 +277,20 @@ def test_two_processes_print_one_final_json(tmp_path):
 
 @pytest.mark.long
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA torch runs the full-size jobs")
-@pytest.mark.parametrize("command", [
-    [sys.executable, "benchmarks/gpu_check.py"], ["bash", "benchmarks/gpu_check.sh"]])
+@pytest.mark.parametrize(
+    "command", [[sys.executable, "benchmarks/gpu_check.py"], ["bash", "benchmarks/gpu_check.sh"]]
+)
 def test_the_gpu_check_on_a_cpu_torch_stops_with_one_line(command):
     """Without --tiny, a torch that sees no GPU gets one line and a non-zero exit, before any job
     (the full-size jobs would otherwise start on the CPU and print nothing before the timeout)."""
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"PYTHON": sys.executable})
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHON": sys.executable},
+    )
     assert done.returncode != 0 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "sees no CUDA GPU" in lines[0] and "--tiny" in lines[0]
@@ -319,14 +365,21 @@ def test_the_update_flops_count_matmul_weights_and_the_lm_head_on_completions_on
     expected = 28 * per_layer * 1_000 + vocab * h * 100
     assert gpu_check.update_flops(config, record, 1, lora=False) == 6 * expected
     assert gpu_check.update_flops(config, record, 1, lora=True) == 4 * expected
-    assert gpu_check.update_flops(config, record, 2, lora=True) == 4 * (
-        expected + vocab * h * 100)
+    assert gpu_check.update_flops(config, record, 2, lora=True) == 4 * (expected + vocab * h * 100)
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA L4", None)])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L4", None),
+    ],
+)
 def test_the_mfu_divides_by_the_peak_of_the_exact_gpu_model(monkeypatch, name, peak):
     """The PCIe and NVL cards get their own (lower) dense bf16 peak, not the SXM card's."""
     from types import SimpleNamespace

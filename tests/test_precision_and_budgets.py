@@ -23,14 +23,46 @@ from utils import cli, models
 
 # one short run of each LLM script's toy: (module, flags, metrics file under out_dir)
 TOYS = {
-    "flowrl": (flowrl, ["--steps", "1", "--inner-steps", "1", "--eval-every", "100"],
-               "metrics.jsonl"),
-    "agentflow": (agentflow, ["--steps", "1", "--inner-steps", "1", "--warm-start-steps", "100",
-                              "--no-ablation", "--queries-per-step", "4", "--eval-every", "100"],
-                  "metrics.jsonl"),
-    "rc_grpo": (rc_grpo, ["--steps", "1", "--arms", "rctp+rc-grpo", "--toy-tasks", "60",
-                          "--toy-test-tasks", "5", "--tasks-per-step", "4", "--failure-rollouts",
-                          "1"], "rctp+rc-grpo/metrics.jsonl"),
+    "flowrl": (
+        flowrl,
+        ["--steps", "1", "--inner-steps", "1", "--eval-every", "100"],
+        "metrics.jsonl",
+    ),
+    "agentflow": (
+        agentflow,
+        [
+            "--steps",
+            "1",
+            "--inner-steps",
+            "1",
+            "--warm-start-steps",
+            "100",
+            "--no-ablation",
+            "--queries-per-step",
+            "4",
+            "--eval-every",
+            "100",
+        ],
+        "metrics.jsonl",
+    ),
+    "rc_grpo": (
+        rc_grpo,
+        [
+            "--steps",
+            "1",
+            "--arms",
+            "rctp+rc-grpo",
+            "--toy-tasks",
+            "60",
+            "--toy-test-tasks",
+            "5",
+            "--tasks-per-step",
+            "4",
+            "--failure-rollouts",
+            "1",
+        ],
+        "rctp+rc-grpo/metrics.jsonl",
+    ),
 }
 
 
@@ -42,8 +74,9 @@ def first_step(tmp_path, name, *extra, stage_one_from=None):
         tmp_path.mkdir(parents=True)
         shutil.copy(stage_one_from / "stage1.safetensors", tmp_path / "stage1.safetensors")
         extra = (*extra, "--resume")
-    args = cli.parse_args(module.Args, module.PRESETS,
-                          [*flags, *extra, "--quiet", "--out-dir", str(tmp_path)])
+    args = cli.parse_args(
+        module.Args, module.PRESETS, [*flags, *extra, "--quiet", "--out-dir", str(tmp_path)]
+    )
     module.train(args)
     return json.loads((tmp_path / metrics).read_text().splitlines()[0])
 
@@ -61,6 +94,7 @@ def tiny_batch():
 
 # ------------------------------------------------------------------------------------ precision
 
+
 def test_pi_old_under_bf16_is_the_updates_own_forward_and_the_samplers_gap_is_reported():
     """bf16 autocast on the CPU (the GPU's precision path): π_old as the scripts score it (no grad,
     `scored_micro_batches`) is bit for bit the update's forward (with grad) in the same precision,
@@ -68,14 +102,17 @@ def test_pi_old_under_bf16_is_the_updates_own_forward_and_the_samplers_gap_is_re
     reported, never used as π_old."""
     tokenizer, model, prompts, _ = tiny_batch()
     torch.manual_seed(0)
-    samples = common.sample_completions(model, tokenizer, prompts, 6, stop_at_eos=False,
-                                        precision="bf16")
+    samples = common.sample_completions(
+        model, tokenizer, prompts, 6, stop_at_eos=False, precision="bf16"
+    )
     completions, sampler_logps = [s[1] for s in samples], [s[2] for s in samples]
     model.train()
-    scoring = common.Scoring(tokenizer, 10**6, model.device, model=model, precision="bf16",
-                             with_reference=False)
-    (mb,) = common.scored_micro_batches(prompts, completions, sampler_logps=sampler_logps,
-                                        scoring=scoring)
+    scoring = common.Scoring(
+        tokenizer, 10**6, model.device, model=model, precision="bf16", with_reference=False
+    )
+    (mb,) = common.scored_micro_batches(
+        prompts, completions, sampler_logps=sampler_logps, scoring=scoring
+    )
     with common.training_autocast(model.device, "bf16"):
         logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
     fp32 = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
@@ -127,6 +164,7 @@ def test_each_toy_passes_its_checkpointing_flag_to_the_model(monkeypatch):
     """--gradient-checkpointing reaches `tiny_causal_lm` in each LLM toy's builder (which turns it
     on, as the test above checks; the full-scale loaders pass the same flag to `load_causal_lm`).
     The builders stop at the model: nothing is pretrained."""
+
     class Built(Exception):
         pass
 
@@ -137,16 +175,20 @@ def test_each_toy_passes_its_checkpointing_flag_to_the_model(monkeypatch):
     builders = {
         flowrl: lambda args: flowrl_tasks.build_toy(args),
         agentflow: lambda args: agent_toy.build_toy(args, torch.device("cpu")),
-        rc_grpo: lambda args: bfcl_toy.build_toy(args, torch.device("cpu"), rc_grpo.REWARD_TOKENS)}
+        rc_grpo: lambda args: bfcl_toy.build_toy(args, torch.device("cpu"), rc_grpo.REWARD_TOKENS),
+    }
     for module, build in builders.items():
-        for flag, expected in (("--gradient-checkpointing", True),
-                               ("--no-gradient-checkpointing", False)):
+        for flag, expected in (
+            ("--gradient-checkpointing", True),
+            ("--no-gradient-checkpointing", False),
+        ):
             with pytest.raises(Built) as built:
                 build(cli.parse_args(module.Args, module.PRESETS, [flag]))
             assert built.value.args == (expected,), (module.__name__, flag)
 
 
 # ----------------------------------------------------------------------- mini- and micro-batches
+
 
 def test_minibatches_split_rows_disjointly():
     parts = common.split_minibatches(10, 4)
@@ -177,8 +219,7 @@ def varied_rewards(monkeypatch):
 
 @pytest.mark.long
 @pytest.mark.parametrize("name", ["flowrl", "agentflow", "rc_grpo"])
-def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, name,
-                                                                    monkeypatch):
+def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, name, monkeypatch):
     """`loss` (the mean over the step's optimiser steps of each one's whole loss) and `ratio_dev`
     (max |ρ − 1| over the whole update) are the same whether a mini-batch runs as one micro-batch
     or as several. Two mini-batches (flowrl, agentflow): flowrl's second is off-policy, so its
@@ -186,8 +227,10 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     the rows are split otherwise, so TB's loss differs by its noise, not by how it is logged.
     rc_grpo's stage 1 also runs in micro-batches (other roundings, other weights), so only its
     stage 2 gets the budget, and the second run loads the first one's stage 1."""
-    two = {"flowrl": ["--minibatches", "2", "--algo", "grpo"],
-           "agentflow": ["--minibatch-rows", "8"]}.get(name, [])
+    two = {
+        "flowrl": ["--minibatches", "2", "--algo", "grpo"],
+        "agentflow": ["--minibatch-rows", "8"],
+    }.get(name, [])
     if name == "rc_grpo":
         varied_rewards(monkeypatch)
     logged = {}
@@ -205,7 +248,8 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
                 logged[label] = first_step(tmp_path / label, name, stage_one_from=shared)
         else:
             logged[label] = first_step(
-                tmp_path / label, name, *two, "--micro-batch-tokens", str(budget))
+                tmp_path / label, name, *two, "--micro-batch-tokens", str(budget)
+            )
     one, several = logged["one"], logged["several"]
     assert one["loss"] != 0
     for key in ("loss", "ratio_dev"):
@@ -221,19 +265,23 @@ def test_micro_batches_never_exceed_their_token_budget():
     tokenizer = models.make_tokenizer([f"w{i}" for i in range(50)])
     for trial in range(200):
         rows = rng.randint(1, 12)
-        prompts = [" ".join(f"w{rng.randrange(50)}" for _ in range(rng.randint(1, 40)))
-                   for _ in range(rows)]
+        prompts = [
+            " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randint(1, 40)))
+            for _ in range(rows)
+        ]
         completions = [[5] * rng.randint(0, 30) for _ in range(rows)]
         budget = rng.randint(1, 300)
         packing = common.Scoring(tokenizer, budget, "cpu")
         batches = common.scored_micro_batches(
-            prompts, completions, sampler_logps=None, scoring=packing)
+            prompts, completions, sampler_logps=None, scoring=packing
+        )
         assert sorted(r for mb in batches for r in mb.rows) == list(range(rows))
         for mb in batches:
             assert mb.ids.numel() <= budget or len(mb.rows) == 1, (trial, mb.ids.shape, budget)
 
 
 # --------------------------------------------------------------------------- generate's budget
+
 
 def test_generate_chunks_keep_their_token_budget():
     """Property: over random prompt lengths, every chunk holds at most `batch_rows` rows and
@@ -251,8 +299,7 @@ def test_generate_chunks_keep_their_token_budget():
             assert len(chunk) * width <= budget or len(chunk) == 1, trial
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param("rc_grpo", marks=pytest.mark.long), "agentflow"])
+@pytest.mark.parametrize("name", [pytest.param("rc_grpo", marks=pytest.mark.long), "agentflow"])
 def test_no_generate_call_of_a_run_exceeds_its_token_budget(tmp_path, name, monkeypatch):
     """A short run of each script with --gen-tokens 300: every `generate` call it makes (rollouts,
     evaluation, stage 1's failures) holds at most 300 padded tokens unless it is one row."""
@@ -273,6 +320,7 @@ def test_no_generate_call_of_a_run_exceeds_its_token_budget(tmp_path, name, monk
 
 # ------------------------------------------------------------------------------ the row sampler
 
+
 def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
     """SampledLogprobs draws every row's token with one exponential per row and one argmax; a loop
     of torch.multinomial calls, each on its row's own generator, draws the same tokens step after
@@ -287,7 +335,8 @@ def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
         kept = sampler(ids, scores.clone())
         drawn = kept.argmax(dim=-1)  # every other token is at -inf
         probs = torch.softmax(scores / 0.7, dim=-1)
-        expected = torch.cat([torch.multinomial(p, 1, generator=g)
-                              for p, g in zip(probs, loop_rngs)])
+        expected = torch.cat(
+            [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, loop_rngs)]
+        )
         assert torch.equal(drawn, expected)
         ids = torch.cat([ids, drawn[:, None]], dim=1)

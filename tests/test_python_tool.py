@@ -60,11 +60,38 @@ def outside(tmp_path_factory):
     libc.syscall(248, b"user", b"agentflow", SECRET.encode(), len(SECRET), -3)  # add_key
     subprocess.run(["git", "init", "-q", str(base / "repo")], check=True)
     (base / "repo" / "gold.txt").write_text(GOLD)
-    subprocess.run(["git", "-C", str(base / "repo"), "-c", "user.name=t", "-c", "user.email=t@t",
-                    "commit", "-qm", "gold", "--allow-empty"], check=True)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(base / "repo"),
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-qm",
+            "gold",
+            "--allow-empty",
+        ],
+        check=True,
+    )
     subprocess.run(["git", "-C", str(base / "repo"), "add", "gold.txt"], check=True)
-    subprocess.run(["git", "-C", str(base / "repo"), "-c", "user.name=t", "-c", "user.email=t@t",
-                    "commit", "-qm", "gold"], check=True)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(base / "repo"),
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-qm",
+            "gold",
+        ],
+        check=True,
+    )
     yield {"dir": base, "udp": udp, "tcp": tcp, "udp6": udp6, "unix": unix, "pid": os.getpid()}
     del os.environ["AGENTFLOW_SECRET"]
 
@@ -119,7 +146,10 @@ def descends_from(pid, ancestor):
 def hostile_programs(o):
     d, pid = o["dir"], o["pid"]
     udp, tcp, udp6 = (
-        o["udp"].getsockname()[1], o["tcp"].getsockname()[1], o["udp6"].getsockname()[1])
+        o["udp"].getsockname()[1],
+        o["tcp"].getsockname()[1],
+        o["udp6"].getsockname()[1],
+    )
     return {
         "os.system": f"import os; os.system('touch {d}/a')",
         "subprocess": f"import subprocess; subprocess.run(['touch', '{d}/b'])",
@@ -168,8 +198,9 @@ def hostile_programs(o):
         "write to /run/lock": "open('/run/lock/pwned_l', 'w')",
         "SysV shared memory that outlives the run": "import ctypes\n"
         f"print(ctypes.CDLL(None).shmget({SHM_KEY}, 1 << 20, 0o1666))",
-        "fill the disk": "\n".join(["for i in range(64):",
-                                     "    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))"]),
+        "fill the disk": "\n".join(
+            ["for i in range(64):", "    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))"]
+        ),
         "a setuid helper": "import os; os.execv('/usr/bin/passwd', ['passwd', '-S', 'root'])",
         # past the caps: host disk through an output fd, memory outside RLIMIT_AS, inodes
         "allocate host disk through stdout": "import ctypes\n"
@@ -215,20 +246,28 @@ print(json.dumps({
     "write the working folder": attempt(lambda: open("x", "w")),
 }))
 """
-THREADS = ("import threading, time\nmade = 0\ntry:\n    for _ in range(3000):\n"
-           "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
-           "        made += 1\nexcept RuntimeError:\n    pass\nprint(made)")
+THREADS = (
+    "import threading, time\nmade = 0\ntry:\n    for _ in range(3000):\n"
+    "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+    "        made += 1\nexcept RuntimeError:\n    pass\nprint(made)"
+)
 PROBES_EXPECTED = {
-    "sysctl": ("EACCES", "EROFS"), "chmod a device": ("EPERM",), "touch a device": ("EPERM",),
-    "root-only /proc": ("EACCES",), "/proc/keys": ("EACCES",), "write /": ("EROFS",),
-    "write /dev": ("EROFS",), "write /usr/lib": ("EROFS",), "write /tmp": ("done",),
-    "write /dev/shm": ("done",), "write the working folder": ("done",),
+    "sysctl": ("EACCES", "EROFS"),
+    "chmod a device": ("EPERM",),
+    "touch a device": ("EPERM",),
+    "root-only /proc": ("EACCES",),
+    "/proc/keys": ("EACCES",),
+    "write /": ("EROFS",),
+    "write /dev": ("EROFS",),
+    "write /usr/lib": ("EROFS",),
+    "write /tmp": ("done",),
+    "write /dev/shm": ("done",),
+    "write the working folder": ("done",),
 }
 
 
 def untouched(o, readme_before):
-    left = [p.name for p in o["dir"].iterdir()
-            if p.name not in ("gold.jsonl", "unix.sock", "repo")]
+    left = [p.name for p in o["dir"].iterdir() if p.name not in ("gold.jsonl", "unix.sock", "repo")]
     assert left == [], left
     assert (REPO / "README.md").read_bytes() == readme_before
     assert not Path("/dev/shm/pwned_k").exists() and not Path("/var/tmp/pwned_k").exists()
@@ -251,7 +290,8 @@ def test_hostile_programs_have_no_effect_outside(outside):
     for name, code in programs.items():
         start = time.time()
         output, _ = sandbox.python_tool(
-            code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"])
+            code, timeout=3, hidden_files=[outside["dir"] / "gold.jsonl"]
+        )
         assert time.time() - start < 6, name
         assert SECRET not in output and GOLD not in output, name
         assert len(output) < 2100, name
@@ -276,7 +316,8 @@ def test_ordinary_numpy_and_sympy_code_gets_the_right_answer(outside):
     )
     assert ok and output == "45 {2: 3, 3: 2, 5: 1} [-2, 2]"
     output, ok = sandbox.python_tool(
-        "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())")
+        "open('notes.txt', 'w').write('hi'); print(open('notes.txt').read())"
+    )
     assert ok and output == "hi"
 
 
@@ -288,11 +329,18 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
     link = REPO / "runs" / f"venv-link-{os.getpid()}"
     link.parent.mkdir(exist_ok=True)
     link.symlink_to(tmp_path / "venv", target_is_directory=True)
-    call = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
-            "print(sandbox.python_tool('import sys; print(sys.prefix)')[0])")
+    call = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
+        "print(sandbox.python_tool('import sys; print(sys.prefix)')[0])"
+    )
     try:
-        done = subprocess.run([str(link / "bin" / "python"), "-c", call], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [str(link / "bin" / "python"), "-c", call],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         link.unlink()
         shutil.rmtree(tmp_path / "venv")
@@ -302,10 +350,13 @@ def test_works_from_a_symlinked_virtual_environment(tmp_path):
 
 
 @isolated
-@pytest.mark.parametrize("code", [
-    "import os\nos.makedirs('/'.join(['d'] * 1200))",  # a cleanup that used to recurse too deep
-    "import os, time\nos.setsid()\nwhile True: open('x', 'w').write('y')",  # keeps writing
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.makedirs('/'.join(['d'] * 1200))",  # a cleanup that used to recurse too deep
+        "import os, time\nos.setsid()\nwhile True: open('x', 'w').write('y')",  # keeps writing
+    ],
+)
 def test_no_program_makes_the_tool_raise(code):
     output, ok = sandbox.python_tool(code, timeout=2)
     assert isinstance(output, str) and ok is False
@@ -353,7 +404,8 @@ def test_every_denied_system_call_fails_inside():
         assert (output, ok) == ("-1", True), (name, output)
     output, ok = sandbox.python_tool(
         "import threading\nt = threading.Thread(target=print, args=('thread',))\n"
-        "t.start(); t.join()")
+        "t.start(); t.join()"
+    )
     assert (output, ok) == ("thread", True)
 
 
@@ -364,12 +416,14 @@ def test_nothing_passes_from_one_call_to_the_next():
     sandbox.python_tool(
         "import ctypes\nc = ctypes.CDLL(None)\n"
         "for ring in (-4, -5): c.syscall(248, b'user', b'note', b'left-by-1', 9, ring)\n"
-        "open('/tmp/note', 'w').write('left-by-1'); open('note', 'w').write('left-by-1')")
+        "open('/tmp/note', 'w').write('left-by-1'); open('note', 'w').write('left-by-1')"
+    )
     output, _ = sandbox.python_tool(
         "import ctypes, os\nc = ctypes.CDLL(None)\nfor ring in (-4, -5):\n"
         "    k = c.syscall(250, 10, ring, b'user', b'note', 0)\n"
         "    b = ctypes.create_string_buffer(99); c.syscall(250, 11, k, b, 99); print(b.value)\n"
-        "print([os.path.exists(p) for p in ('/tmp/note', 'note')])")
+        "print([os.path.exists(p) for p in ('/tmp/note', 'note')])"
+    )
     assert "left-by-1" not in output and "[False, False]" in output, output
 
 
@@ -408,11 +462,14 @@ def a_normal_user_can_be_made():
         return "needs root, setpriv and unshare to become a normal user"
     system = Path("/usr/bin/python3")
     version = system.exists() and subprocess.run(
-        [system, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+        [system, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+    )
     if not version or version.stdout.strip() != str(sys.version_info[:2]):
         return "needs a /usr/bin/python3 of this interpreter's version (to carry its numpy)"
-    userns = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",
-                             "unshare", "--user", "true"], capture_output=True)
+    userns = subprocess.run(
+        ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "unshare", "--user", "true"],
+        capture_output=True,
+    )
     if userns.returncode:
         return "the kernel gives uid 1000 no user namespace (the tool fails closed for it)"
     return None
@@ -472,10 +529,13 @@ def normal_user_run(tmp_path, numpy, sympy):
         PROBES,
         THREADS,
     ]
-    code = (f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"
-            "    print(repr(sandbox.python_tool(p, timeout=20)))")
-    lines = run_as(1000, code, python=str(env / "bin" / "python"),
-                   package=tmp_path / "package").splitlines()
+    code = (
+        f"print(sandbox.isolation_problem())\nfor p in {programs!r}:\n"
+        "    print(repr(sandbox.python_tool(p, timeout=20)))"
+    )
+    lines = run_as(
+        1000, code, python=str(env / "bin" / "python"), package=tmp_path / "package"
+    ).splitlines()
     assert lines[0] == "None", lines
     assert lines[1] == repr(("45 {2: 3, 3: 2, 5: 1} 65534", True)), lines
     assert all(SECRET not in line for line in lines) and lines[2].endswith("False)"), lines
@@ -490,20 +550,29 @@ def normal_user_run(tmp_path, numpy, sympy):
 
 
 @isolated
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv to start processes of uid 65534")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to start processes of uid 65534",
+)
 def test_processes_of_the_sandbox_uid_elsewhere_change_nothing(tmp_path):
     """Three processes of uid 65534 elsewhere on the host (another trainer's calls, a daemon):
     a fresh trainer's check still passes and its calls are still isolated."""
     secret = tmp_path / "root-only"
     secret.write_text(SECRET)
     os.chmod(secret, 0o600)
-    sleepers = [subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                  "sleep", "60"]) for _ in range(3)]
+    sleepers = [
+        subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"]
+        )
+        for _ in range(3)
+    ]
     try:
-        out = run_as(None, "sandbox.isolation_problem.__dict__.clear()\n"
-                     "print(sandbox.isolation_problem())\n"
-                     f"print(sandbox.python_tool({f'print(open({str(secret)!r}).read())'!r}))")
+        out = run_as(
+            None,
+            "sandbox.isolation_problem.__dict__.clear()\n"
+            "print(sandbox.isolation_problem())\n"
+            f"print(sandbox.python_tool({f'print(open({str(secret)!r}).read())'!r}))",
+        )
     finally:
         for sleeper in sleepers:
             sleeper.kill()
@@ -514,9 +583,16 @@ def test_processes_of_the_sandbox_uid_elsewhere_change_nothing(tmp_path):
 @isolated
 def test_ctrl_c_in_the_trainer_leaves_no_process_behind():
     """SIGINT to a trainer in the middle of a call: the trainer stops and the program with it."""
-    trainer = subprocess.Popen([sys.executable, "-c", (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
-        "sandbox.python_tool('import time\\ntime.sleep(60)', timeout=60)")])
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
+                "sandbox.python_tool('import time\\ntime.sleep(60)', timeout=60)"
+            ),
+        ]
+    )
     deadline = time.time() + 30
     started = []  # the trainer's own sandbox processes (other tests may run calls meanwhile)
     while time.time() < deadline and len(started) < 2:  # bwrap and the program under it
@@ -552,7 +628,8 @@ def test_an_interpreter_folder_holding_the_repository_or_a_git_repository_is_ref
     (tmp_path / ".git").mkdir()
     assert "git repository" in sandbox.prefix_problem([str(tmp_path)], [])
     assert "data file" in sandbox.prefix_problem(
-        [str(tmp_path / "v")], [str(tmp_path / "v" / "gold.jsonl")])
+        [str(tmp_path / "v")], [str(tmp_path / "v" / "gold.jsonl")]
+    )
     assert sandbox.prefix_problem([str(tmp_path / "v")], []) is None
 
 
@@ -563,10 +640,13 @@ def test_a_venv_at_a_repository_root_refuses_and_runs_nothing(tmp_path):
     venv.create(repo, with_pip=False)
     marker = tmp_path / "marker"
     program = f"open({str(marker)!r}, 'w')"
-    call = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
-            f"print(sandbox.python_tool({program!r}))")
-    done = subprocess.run([str(repo / "bin" / "python"), "-c", call], capture_output=True,
-                          text=True, timeout=60)
+    call = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox; "
+        f"print(sandbox.python_tool({program!r}))"
+    )
+    done = subprocess.run(
+        [str(repo / "bin" / "python"), "-c", call], capture_output=True, text=True, timeout=60
+    )
     assert "disabled" in done.stdout and "git repository" in done.stdout, done.stdout + done.stderr
     assert not marker.exists()
 
@@ -594,8 +674,9 @@ def program_pid(started_after, ancestor):
 
 
 def status_uids(pid):
-    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if ln.startswith("Uid:"))
+    line = next(
+        ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("Uid:")
+    )
     return [int(uid) for uid in line.split()[1:]]
 
 
@@ -610,8 +691,11 @@ def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state()
     null = os.stat("/dev/null")
     before = set(sandbox_processes())
     seen = {}
-    thread = threading.Thread(target=lambda: seen.update(
-        result=sandbox.python_tool("import time\ntime.sleep(3)\n" + PROBES, timeout=20)))
+    thread = threading.Thread(
+        target=lambda: seen.update(
+            result=sandbox.python_tool("import time\ntime.sleep(3)\n" + PROBES, timeout=20)
+        )
+    )
     thread.start()
     uids = status_uids(program_pid(before, os.getpid()))
     thread.join()
@@ -637,7 +721,8 @@ def test_nothing_in_the_namespace_can_be_signalled_or_traced():
     output, ok = sandbox.python_tool(
         "import ctypes, os\nc = ctypes.CDLL(None)\n"
         "others = [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
-        "print(os.getpid(), others, [(c.kill(p, 9), c.ptrace(16, p, 0, 0)) for p in others])")
+        "print(os.getpid(), others, [(c.kill(p, 9), c.ptrace(16, p, 0, 0)) for p in others])"
+    )
     assert ok, output
     if os.geteuid() == 0:
         assert output == "2 [1] [(-1, -1)]", output
@@ -655,12 +740,20 @@ def test_threads_are_capped_for_every_trainer_uid():
 def run_trainer(code):
     """A trainer in a fresh interpreter (as this user) running `code` with the tool imported."""
     return subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-         f"from envs import sandbox\n{code}"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(REPO)!r})\nfrom envs import sandbox\n{code}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
-STUBBORN = ("import ctypes, os, signal, time\nctypes.CDLL(None).prctl(1, 0)\n"
-            "for s in (1, 2, 15): signal.signal(s, signal.SIG_IGN)\nos.setsid()\ntime.sleep(60)")
+STUBBORN = (
+    "import ctypes, os, signal, time\nctypes.CDLL(None).prctl(1, 0)\n"
+    "for s in (1, 2, 15): signal.signal(s, signal.SIG_IGN)\nos.setsid()\ntime.sleep(60)"
+)
 
 
 @isolated
@@ -670,7 +763,8 @@ def test_a_stubborn_program_dies_with_its_timeout_and_with_a_killed_trainer():
     before = set(sandbox_processes())
     seen = {}
     thread = threading.Thread(
-        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2)))
+        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2))
+    )
     thread.start()
     program = program_pid(before, os.getpid())
     thread.join()
@@ -692,12 +786,16 @@ def test_the_timeout_kills_the_namespace_by_itself(monkeypatch):
     """Without bwrap's parent-death signal, the pidfd kill alone ends a stubborn call at its
     timeout: the namespace's first process is killed, not only bwrap."""
     command = sandbox.bwrap_command
-    monkeypatch.setattr(sandbox, "bwrap_command", lambda *a: [
-        arg for arg in command(*a) if arg != "--die-with-parent"])
+    monkeypatch.setattr(
+        sandbox,
+        "bwrap_command",
+        lambda *a: [arg for arg in command(*a) if arg != "--die-with-parent"],
+    )
     before = set(sandbox_processes())
     seen = {}
     thread = threading.Thread(
-        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2)))
+        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2))
+    )
     thread.start()
     program = program_pid(before, os.getpid())
     thread.join()
@@ -725,7 +823,8 @@ def test_no_zombie_is_left_to_a_subreaping_trainer():
         "    try:\n        fields = open(f'/proc/{stat}/stat').read().rsplit(')', 1)[1].split()\n"
         "    except (OSError, ValueError):\n        continue\n"
         "    if fields[0] == 'Z' and int(fields[1]) == os.getpid():\n        zombies.append(stat)\n"
-        "print(zombies)")
+        "print(zombies)"
+    )
     output, _ = trainer.communicate(timeout=120)
     assert output.strip() == "[]", output
 

@@ -27,14 +27,13 @@ def test_all_800_entries_load_and_split_720_80(entries):
     train, test = bfcl.split_entries(entries)
     assert len(train) == 720 and len(test) == 80
     assert {c: sum(e["category"] == c for e in test) for c in bfcl.CATEGORIES} == dict.fromkeys(
-        bfcl.CATEGORIES, 20)
+        bfcl.CATEGORIES, 20
+    )
 
 
 @pytest.mark.long
 def test_ground_truth_replay_scores_one_on_every_entry_for_both_rewards(entries):
-    assert [
-        e["id"] for e in entries if bfcl.trajectory_reward(e, e["ground_truth"]) != 1.0
-    ] == []
+    assert [e["id"] for e in entries if bfcl.trajectory_reward(e, e["ground_truth"]) != 1.0] == []
     assert [e["id"] for e in entries if bfcl.bfcl_check(e, e["ground_truth"]) != 1.0] == []
 
 
@@ -51,24 +50,28 @@ def toy_entry(files):
     contents = {
         "docs": {
             "type": "directory",
-            "contents": {f: {"type": "file", "content": f"{f} text"} for f in files}}
+            "contents": {f: {"type": "file", "content": f"{f} text"} for f in files},
+        }
     }
     return {
         "id": "t_0",
         "category": "toy",
         "involved_classes": ["GorillaFileSystem"],
         "initial_config": {
-            "GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}},
+            "GorillaFileSystem": {"root": {"w": {"type": "directory", "contents": contents}}}
+        },
         "question": [[{"role": "user", "content": "x"}]],
     }
 
 
 def test_reordering_independent_calls_and_extra_calls_keep_the_action_reward():
     entry = toy_entry(["a.txt"]) | {
-        "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]}
+        "ground_truth": [["cd(folder='docs')", "cat(file_name='a.txt')", "ls()"]]
+    }
     assert (
         bfcl.trajectory_reward(
-            entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]])
+            entry, [["cd(folder='docs')", "ls()", "pwd()", "cat(file_name='a.txt')"]]
+        )
         == 1.0
     )
     # a ground-truth call is missing
@@ -79,18 +82,30 @@ def test_positional_and_keyword_arguments_both_dispatch_and_compare_equal():
     entry = toy_entry(["a.txt"]) | {"ground_truth": [["cd(folder='docs')", "rm('a.txt')"]]}
     env = bfcl.BFCLEnv(entry)
     assert env.execute(bfcl.parse_calls("[cd('docs')]")) == env.execute(
-        bfcl.parse_calls("[cd(folder='.')]"))
+        bfcl.parse_calls("[cd(folder='.')]")
+    )
     assert "a.txt" in env.execute(bfcl.parse_calls("ls()"))[0]
     assert bfcl.trajectory_reward(entry, [["cd('docs')", "rm(file_name='a.txt')"]]) == 1.0
 
 
 HOSTILE = [
     "[__import__('os').system('touch {marker}')]",
-    "[cd(folder=__import__('os').system('touch {marker}'))]", "[os.system('touch {marker}')]",
-    "[cd(folder='a').__class__]", "[cd(folder=(lambda: 1)())]", "[cd(folder=[x for x in 'ab'])]",
-    "[cd(folder=1 + 2)]", "[cd(folder=9 ** 9 ** 9)]", "[_load_scenario({{}})]", "[__init__()]",
-    "[cd(*['a'])]", "[cd(**{{'folder': 'a'}})]", "[cd(folder=ls())]", "[" * 5000 + "]" * 5000,
-    "[cd(folder='" + "a" * 20000 + "')]", "[exec('print(1)') for _ in 'a']"]
+    "[cd(folder=__import__('os').system('touch {marker}'))]",
+    "[os.system('touch {marker}')]",
+    "[cd(folder='a').__class__]",
+    "[cd(folder=(lambda: 1)())]",
+    "[cd(folder=[x for x in 'ab'])]",
+    "[cd(folder=1 + 2)]",
+    "[cd(folder=9 ** 9 ** 9)]",
+    "[_load_scenario({{}})]",
+    "[__init__()]",
+    "[cd(*['a'])]",
+    "[cd(**{{'folder': 'a'}})]",
+    "[cd(folder=ls())]",
+    "[" * 5000 + "]" * 5000,
+    "[cd(folder='" + "a" * 20000 + "')]",
+    "[exec('print(1)') for _ in 'a']",
+]
 
 
 def test_hostile_output_is_rejected_without_side_effects(tmp_path):
@@ -106,15 +121,20 @@ def test_hostile_output_is_rejected_without_side_effects(tmp_path):
     # names that parse but are not allow-listed methods: an error result, not a call
     env = bfcl.BFCLEnv(toy_entry(["a.txt"]))
     calls = bfcl.parse_calls(
-        f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]")
+        f"[open({str(marker)!r}, 'w'), eval('1'), system('ls'), no_such_method()]"
+    )
     assert all(r.startswith("Error during execution") for r in env.execute(calls))
     assert not marker.exists()
 
 
 DEEP = [
-    "[" + "1+" * 800 + "1]", "f(a=" + "1+" * 1500 + "1)", "[" + "(" * 3000 + ")" * 3000 + "]",
-    "[f(" + "[" * 2000 + "]" * 2000 + ")]", "[" + "-" * 5000 + "1]",
-    "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]"]
+    "[" + "1+" * 800 + "1]",
+    "f(a=" + "1+" * 1500 + "1)",
+    "[" + "(" * 3000 + ")" * 3000 + "]",
+    "[f(" + "[" * 2000 + "]" * 2000 + ")]",
+    "[" + "-" * 5000 + "1]",
+    "[f(a={" + "1:{" * 1000 + "}" * 1001 + ")]",
+]
 
 
 @pytest.mark.parametrize("text", DEEP)
@@ -128,14 +148,22 @@ def scripted_world(monkeypatch, outputs):
     """A World whose `generate` is replaced by a script of outputs (the model is never called)."""
     script = iter(outputs)
     monkeypatch.setattr(
-        common, "sample_completions",
-        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts])
+        common,
+        "sample_completions",
+        lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts],
+    )
     tokenizer = models.make_tokenizer(["user", "asst", "tool"])  # counts prompt length only
     return bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
 
 
-ROLLOUT_ARGS = SimpleNamespace(max_new_tokens=8, gen_batch=8, gen_tokens=0, max_steps=10,
-                               max_prompt_tokens=10**6, mixed_precision="fp32")
+ROLLOUT_ARGS = SimpleNamespace(
+    max_new_tokens=8,
+    gen_batch=8,
+    gen_tokens=0,
+    max_steps=10,
+    max_prompt_tokens=10**6,
+    mixed_precision="fp32",
+)
 
 
 def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finishes(
@@ -143,12 +171,18 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
 ):
     marker = tmp_path / "pwned"
     entry = toy_entry(["a.txt"]) | {
-        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
+        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]
+    }
     hostile = [
-        f"[__import__('os').system('touch {marker}')]", DEEP[0], DEEP[1], "[cd(folder=1 + 2)]"]
+        f"[__import__('os').system('touch {marker}')]",
+        DEEP[0],
+        DEEP[1],
+        "[cd(folder=1 + 2)]",
+    ]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
         (run,) = bfcl.run_rollouts(
-            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS)
+            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS
+        )
         assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
@@ -165,7 +199,8 @@ def test_a_seeded_dialogue_samples_the_same_alone_or_batched_with_others():
     one_turn = toy_entry(["a.txt"]) | {"ground_truth": [["ls()"]]}
     two_turns = one_turn | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "x x"}]],
-        "ground_truth": [["ls()"], ["pwd()"]]}
+        "ground_truth": [["ls()"], ["pwd()"]],
+    }
     entries = [one_turn, two_turns, one_turn]
     together = bfcl.run_rollouts(world, entries, [None] * 3, 1.0, ROLLOUT_ARGS, seeds=[7, 8, 9])
     (alone,) = bfcl.run_rollouts(world, entries[1:2], [None], 1.0, ROLLOUT_ARGS, seeds=[8])
@@ -177,26 +212,45 @@ def test_a_seeded_dialogue_samples_the_same_alone_or_batched_with_others():
 def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(monkeypatch):
     entry = toy_entry(["a.txt"]) | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]],
-        "ground_truth": [["ls()"], ["pwd()"]]}
+        "ground_truth": [["ls()"], ["pwd()"]],
+    }
     (run,) = bfcl.run_rollouts(
-        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS)
+        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS
+    )
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
-    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, gen_tokens=0, max_steps=3,
-                             max_prompt_tokens=10**6, mixed_precision="fp32")
+    capped = SimpleNamespace(
+        max_new_tokens=8,
+        gen_batch=8,
+        gen_tokens=0,
+        max_steps=3,
+        max_prompt_tokens=10**6,
+        mixed_precision="fp32",
+    )
     (run,) = bfcl.run_rollouts(
-        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped)
+        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped
+    )
     # 4 > 3 steps in turn 0: abandoned
     assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
 
 
 def test_a_dialogue_past_the_prompt_cap_is_abandoned_and_scored_as_it_stands(monkeypatch):
     entry = toy_entry(["a.txt"]) | {
-        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]}
+        "ground_truth": [["cd(folder='docs')", "rm(file_name='a.txt')"]]
+    }
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]"] * 10)
-    first = len(world.tokenizer(bfcl.render(world, bfcl.user_messages(world, entry, 0, None)),
-                                add_special_tokens=False)["input_ids"])
-    capped = SimpleNamespace(max_new_tokens=8, gen_batch=8, gen_tokens=0, max_steps=10,
-                             max_prompt_tokens=first + 12, mixed_precision="fp32")
+    first = len(
+        world.tokenizer(
+            bfcl.render(world, bfcl.user_messages(world, entry, 0, None)), add_special_tokens=False
+        )["input_ids"]
+    )
+    capped = SimpleNamespace(
+        max_new_tokens=8,
+        gen_batch=8,
+        gen_tokens=0,
+        max_steps=10,
+        max_prompt_tokens=first + 12,
+        mixed_precision="fp32",
+    )
     (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, capped)
     assert run["abandoned"] and 1 <= len(run["steps"]) < 10  # stopped by the cap, not the step cap
     assert run["calls_per_turn"][0][0] == "cd(folder='docs')" and run["reward"] == 0.0
@@ -233,8 +287,13 @@ def bfcl_harness(monkeypatch):
     stand_ins = {
         "bfcl_eval.model_handler.parser.java_parser": ["parse_java_function_call"],
         "bfcl_eval.model_handler.parser.js_parser": ["parse_javascript_function_call"],
-        "tenacity": ["retry", "retry_if_exception_message", "retry_if_exception_type",
-                     "wait_random_exponential"]}
+        "tenacity": [
+            "retry",
+            "retry_if_exception_message",
+            "retry_if_exception_type",
+            "wait_random_exponential",
+        ],
+    }
     for name, attributes in stand_ins.items():
         if name not in sys.modules:
             module = types.ModuleType(name)
@@ -269,12 +328,16 @@ def test_full_scale_prompt_is_what_bfcl_evals_harness_sends_on_every_entry(entri
         for sent in load_dataset_entry(f"multi_turn_{category}"):
             entry = ours[sent["id"]]
             first_turn = harness.system_prompt_pre_processing_chat_model(
-                copy.deepcopy(sent["question"][0]), sent["function"], sent["id"])
-            assert bfcl.system_messages(world, entry) + bfcl.user_messages(
-                world, entry, 0, None) == first_turn, sent["id"]
+                copy.deepcopy(sent["question"][0]), sent["function"], sent["id"]
+            )
+            assert (
+                bfcl.system_messages(world, entry) + bfcl.user_messages(world, entry, 0, None)
+                == first_turn
+            ), sent["id"]
             for turn, held_out in sent.get("missed_function", {}).items():
                 reveal = DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
-                    functions=held_out)
+                    functions=held_out
+                )
                 (message,) = bfcl.user_messages(world, entry, int(turn), None)
                 assert message == {"role": "user", "content": reveal}, sent["id"]
                 reveals += 1
@@ -318,14 +381,17 @@ def test_miss_func_descriptions_wait_for_their_turn_the_functions_do_not(entries
 def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_scored():
     train, _ = bfcl_toy.toy_entries(10, 0, 0.15)
     tokenizer = models.make_tokenizer(
-        ["user", "asst", "tool", "delete", *bfcl_toy.TOY_FILES], rc_grpo.REWARD_TOKENS)
+        ["user", "asst", "tool", "delete", *bfcl_toy.TOY_FILES], rc_grpo.REWARD_TOKENS
+    )
     world = bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
     samples = bfcl.trajectory_samples(
-        world, train[0], rc_grpo.reward_goal(rc_grpo.HIGH), train[0]["ground_truth"])
+        world, train[0], rc_grpo.reward_goal(rc_grpo.HIGH), train[0]["ground_truth"]
+    )
     assert samples[0]["prompt"].endswith("[Reward Goal: <|high_reward|>] asst")
     token_ids = set(tokenizer.convert_tokens_to_ids(list(rc_grpo.REWARD_TOKENS)))
     ids, attn, mask = common.pack_completions(
-        tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu")
+        tokenizer, [s["prompt"] for s in samples], [s["ids"] for s in samples], "cpu"
+    )
     scored = ids[:, -mask.shape[1] :][mask.bool()]
     assert token_ids & set(ids.flatten().tolist()) and not token_ids & set(scored.tolist())
 
@@ -362,11 +428,13 @@ def test_with_beta_zero_a_row_without_advantage_adds_nothing_to_the_gradient():
     old = logp.detach() + 0.01 * torch.randn(3, 5, generator=gen).clamp(-5, 5)
     advantages, mask = torch.tensor([0.0, 1.0, -1.0]), torch.ones(3, 5)
     loss, stats = rc_grpo.rc_grpo_loss(
-        logp, old, None, advantages, mask, clip_eps=0.2, beta=0.0, token_count=15)
+        logp, old, None, advantages, mask, clip_eps=0.2, beta=0.0, token_count=15
+    )
     loss.backward()
     assert logp.grad[0].abs().max() == 0 and logp.grad[1:].abs().min() > 0 and stats["kl"] == 0
     with_kl, _ = rc_grpo.rc_grpo_loss(
-        logp, old, old, advantages, mask, clip_eps=0.2, beta=0.1, token_count=15)
+        logp, old, old, advantages, mask, clip_eps=0.2, beta=0.1, token_count=15
+    )
     assert torch.autograd.grad(with_kl, logp)[0][0].abs().max() > 0  # β > 0: every row counts
 
 
@@ -377,7 +445,8 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
         rc_grpo.PRESETS,
         [
             *("--quiet", "--seed", "1", "--arms", "sft+grpo,rctp+rc-grpo"),
-            *("--toy-test-tasks", "60", "--out-dir", str(tmp_path))],
+            *("--toy-test-tasks", "60", "--out-dir", str(tmp_path)),
+        ],
     )
     s = rc_grpo.train(args)
     # Margin: over the five-seed sweep SFT+GRPO sits at 0.83-0.97 and RCTP+RC-GRPO at 0.44-0.64;
@@ -407,11 +476,35 @@ def test_full_preset_path_with_a_tiny_random_qwen2_on_real_entries(tmp_path):
         rc_grpo.Args,
         rc_grpo.PRESETS,
         [
-            "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps",
-            "1", "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1",
-            "--max-steps", "2", "--no-gradient-checkpointing", "--max-new-tokens", "4",
-            "--lora-rank", "4", "--rctp-epochs", "1", "--device", "cpu", "--quiet", "--out-dir",
-            str(tmp_path / "run")],
+            "--preset",
+            "bfcl",
+            "--model",
+            str(tmp_path / "tiny"),
+            "--max-tasks",
+            "2",
+            "--steps",
+            "1",
+            "--tasks-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--failure-rollouts",
+            "1",
+            "--max-steps",
+            "2",
+            "--no-gradient-checkpointing",
+            "--max-new-tokens",
+            "4",
+            "--lora-rank",
+            "4",
+            "--rctp-epochs",
+            "1",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
     )
     # paper defaults, flags win
     assert args.beta == 0.1 and args.p_high == 0.5 and args.max_steps == 2
@@ -461,12 +554,17 @@ def perturbations(truth, rng):
         swapped = copy_of()
         swapped[t][0], swapped[t][-1] = swapped[t][-1], swapped[t][0]
         out.append(swapped)
-    (name, args, kwargs), = bfcl.parse_calls(truth[t][i])
+    ((name, args, kwargs),) = bfcl.parse_calls(truth[t][i])
     if kwargs:
         key = sorted(kwargs)[0]
         value = kwargs[key]
-        changed = value + 1 if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            else value + "x" if isinstance(value, str) else None
+        changed = (
+            value + 1
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else value + "x"
+            if isinstance(value, str)
+            else None
+        )
         if changed is not None:
             edited = copy_of()
             edited[t][i] = bfcl.format_call(name, args, kwargs | {key: changed})
@@ -489,8 +587,12 @@ def test_bfcl_check_agrees_with_the_official_multi_turn_checker(entries):
             for variant in [truth, *perturbations(truth, rng)]:
                 cases += 1
                 official = multi_turn_checker(
-                    [[[call] for call in turn] for turn in variant], truth, entry,
-                    entry["id"].rsplit("_", 1)[0], f"agreement_{cases}")["valid"]  # fresh state
+                    [[[call] for call in turn] for turn in variant],
+                    truth,
+                    entry,
+                    entry["id"].rsplit("_", 1)[0],
+                    f"agreement_{cases}",
+                )["valid"]  # fresh state
                 if bfcl.bfcl_check(entry, variant) != float(official):
                     disagree.append((entry["id"], variant))
     assert cases >= 60 and not disagree, disagree[:3]
@@ -513,12 +615,46 @@ def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tm
     import copy
 
     save_tiny_bfcl_model(tmp_path / "tiny")
-    args = cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [
-        "--preset", "bfcl", "--model", str(tmp_path / "tiny"), "--max-tasks", "2", "--steps", "2",
-        "--tasks-per-step", "1", "--group-size", "2", "--failure-rollouts", "1", "--max-steps",
-        "2", "--no-gradient-checkpointing", "--max-new-tokens", "4", "--lora-rank", "4",
-        "--rctp-epochs", "3", "--sft-lr", "3e-2", "--lr", "3e-2", "--mixed-precision", "bf16",
-        "--device", "cpu", "--quiet", "--out-dir", str(tmp_path / "run")])
+    args = cli.parse_args(
+        rc_grpo.Args,
+        rc_grpo.PRESETS,
+        [
+            "--preset",
+            "bfcl",
+            "--model",
+            str(tmp_path / "tiny"),
+            "--max-tasks",
+            "2",
+            "--steps",
+            "2",
+            "--tasks-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--failure-rollouts",
+            "1",
+            "--max-steps",
+            "2",
+            "--no-gradient-checkpointing",
+            "--max-new-tokens",
+            "4",
+            "--lora-rank",
+            "4",
+            "--rctp-epochs",
+            "3",
+            "--sft-lr",
+            "3e-2",
+            "--lr",
+            "3e-2",
+            "--mixed-precision",
+            "bf16",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
+    )
     ids = torch.tensor([list(range(5, 45))])
 
     def exact(model):  # fp32 scoring of an fp32 copy: the bf16 base upcast, the adapters as trained
@@ -531,8 +667,9 @@ def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tm
     def stacking(model, name):
         seen["stage_1"] = exact(model)
         bf16_merge = copy.deepcopy(model).merge_and_unload()  # what a merge into bf16 keeps
-        seen["bf16_merge"] = common.completion_logprobs(bf16_merge.float(), ids,
-                                                        torch.ones_like(ids), 39)
+        seen["bf16_merge"] = common.completion_logprobs(
+            bf16_merge.float(), ids, torch.ones_like(ids), 39
+        )
         frozen = stack(model, name)
         seen["stage_2_start"] = exact(model)
         return frozen

@@ -28,8 +28,17 @@ def run(script, out_dir, *flags):
     """One CLI run in its own process (its peak RSS is its own); returns summary.json."""
     done = subprocess.run(
         [
-            sys.executable, script, "--model", "smollm2", "--device", "cpu", "--quiet", "--out-dir",
-            str(out_dir), *flags],
+            sys.executable,
+            script,
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out-dir",
+            str(out_dir),
+            *flags,
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -48,14 +57,30 @@ def moved(before, after_file, prefix=""):
 
 def flowrl_flags(group_size):
     return [
-        "flowrl.py", "--preset", "full", "--data", "tests/data/math_tiny.jsonl", "--steps", "1",
-        "--prompts-per-step", "1", "--group-size", str(group_size), "--max-new-tokens", "16",
-        "--micro-batch-tokens", "160", "--gen-batch", "4", "--no-gradient-checkpointing",
-        "--minibatches", "2"]
+        "flowrl.py",
+        "--preset",
+        "full",
+        "--data",
+        "tests/data/math_tiny.jsonl",
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "1",
+        "--group-size",
+        str(group_size),
+        "--max-new-tokens",
+        "16",
+        "--micro-batch-tokens",
+        "160",
+        "--gen-batch",
+        "4",
+        "--no-gradient-checkpointing",
+        "--minibatches",
+        "2",
+    ]
 
 
-def test_flowrl_on_smollm2_scores_what_it_sampled_and_warms_up_per_rollout_batch(
-        smollm2, tmp_path):
+def test_flowrl_on_smollm2_scores_what_it_sampled_and_warms_up_per_rollout_batch(smollm2, tmp_path):
     """The full path with two mini-batches and `--warmup-steps 2`: the learning rate is 0 through
     the whole first rollout batch (so even its second mini-batch is still on-policy), then rises
     per batch, and the second mini-batch of a batch at lr > 0 is off-policy. Peak memory is bounded
@@ -81,16 +106,19 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
         3.0  # a checkpoint setting the sampler must not inherit
     )
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
+    )
     torch.manual_seed(0)
     samples = common.sample_completions(
-        model, tokenizer, [prompt] * 6, 24, temperature=1.0, batch_rows=4)
+        model, tokenizer, [prompt] * 6, 24, temperature=1.0, batch_rows=4
+    )
     stop = set(common.eos_token_ids(model, tokenizer))
     for text, ids, logp in samples:
         assert not stop & set(ids[:-1]) and len(logp) == len(ids)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
     ids, attn, mask = common.pack_completions(
-        tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu")
+        tokenizer, [prompt] * 6, [s[1] for s in samples], "cpu"
+    )
     with torch.no_grad():
         logp = common.completion_logprobs(model, ids, attn, mask.shape[1])
     old = common.place_logprobs(mask, [s[2] for s in samples])
@@ -99,14 +127,37 @@ def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(s
 
 
 def test_agentflow_laptop_preset_runs_the_whole_system_and_learns_from_a_varied_group(
-        smollm2, tmp_path):
+    smollm2, tmp_path
+):
     # the smollm2-lookup preset's path at its smallest: warm start, the full system, one step; with
     # β = 0 the only gradient is the policy gradient, so it is 0 exactly when every group is flat
     summary = run(
-        "agentflow.py", tmp_path, "--preset", "smollm2-lookup", "--eval-data",
-        "tests/data/people_tiny.jsonl", "--steps", "1", "--queries-per-step", "1", "--group-size",
-        "2", "--warm-start-demos", "2", "--warm-start-steps", "2", "--no-ablation", "--beta", "0",
-        "--max-turns", "1", "--eval-max-turns", "1", "--max-new-tokens", "10")
+        "agentflow.py",
+        tmp_path,
+        "--preset",
+        "smollm2-lookup",
+        "--eval-data",
+        "tests/data/people_tiny.jsonl",
+        "--steps",
+        "1",
+        "--queries-per-step",
+        "1",
+        "--group-size",
+        "2",
+        "--warm-start-demos",
+        "2",
+        "--warm-start-steps",
+        "2",
+        "--no-ablation",
+        "--beta",
+        "0",
+        "--max-turns",
+        "1",
+        "--eval-max-turns",
+        "1",
+        "--max-new-tokens",
+        "10",
+    )
     assert summary["sampler_logprob_max_dev"] <= 1e-3
     assert (tmp_path / "planner" / "adapter_model.safetensors").exists()
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -118,10 +169,31 @@ def test_rc_grpo_laptop_preset_on_real_bfcl_entries(smollm2, tmp_path):
     # the smollm2-bfcl preset's path on two of its entries, one LoRA arm (its saved policy merges
     # stage 1 and stage 2)
     summary = run(
-        "rc_grpo.py", tmp_path, "--preset", "smollm2-bfcl", "--tasks",
-        "multi_turn_base_1,multi_turn_base_9", "--arms", "rctp+rc-grpo", "--steps", "1",
-        "--tasks-per-step", "1", "--group-size", "2", "--max-steps", "1", "--max-new-tokens",
-        "12", "--lora-rank", "8", "--rctp-epochs", "1", "--micro-batch-tokens", "1024")
+        "rc_grpo.py",
+        tmp_path,
+        "--preset",
+        "smollm2-bfcl",
+        "--tasks",
+        "multi_turn_base_1,multi_turn_base_9",
+        "--arms",
+        "rctp+rc-grpo",
+        "--steps",
+        "1",
+        "--tasks-per-step",
+        "1",
+        "--group-size",
+        "2",
+        "--max-steps",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--lora-rank",
+        "8",
+        "--rctp-epochs",
+        "1",
+        "--micro-batch-tokens",
+        "1024",
+    )
     arm = summary["rctp+rc-grpo"]
     assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
     # the stage-2 adapter starts at B = 0 (π = π_ref): a gradient exactly when a group varies
@@ -137,13 +209,17 @@ def test_sample_command_prints_what_the_saved_model_writes(smollm2, tmp_path):
 
     run = [sys.executable, "-m", "utils.sample"]
     done = subprocess.run(
-        [*run, str(smollm2), "What is 2 + 2?", "--max-new-tokens", "8"], cwd=REPO,
-        capture_output=True, text=True)
+        [*run, str(smollm2), "What is 2 + 2?", "--max-new-tokens", "8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
+    )
     ((text, _, _),) = common.sample_completions(model, tokenizer, [prompt], 8, temperature=0.0)
     assert text.strip() and done.stdout.strip() == text.strip()
     missing = subprocess.run([*run, str(tmp_path), "hi"], cwd=REPO, capture_output=True, text=True)

@@ -43,9 +43,15 @@ def literal(cell):
         return cell
 
 
-@pytest.mark.parametrize("module, preset, page", [
-    (flowrl, "full", "flowrl.md"), (agentflow, "full", "agentflow.md"),
-    (rc_grpo, "bfcl", "rc_grpo.md"), (flow_grpo, "sd3", "flow_grpo.md")])
+@pytest.mark.parametrize(
+    "module, preset, page",
+    [
+        (flowrl, "full", "flowrl.md"),
+        (agentflow, "full", "agentflow.md"),
+        (rc_grpo, "bfcl", "rc_grpo.md"),
+        (flow_grpo, "sd3", "flow_grpo.md"),
+    ],
+)
 def test_recipe_table_matches_the_preset_and_the_deviations(module, preset, page):
     values = dataclasses.asdict(dataclasses.replace(module.Args(), **module.PRESETS[preset]))
     deviations = module.__doc__.split("Deviations", 1)[1]

@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def metrics(folder):
     folder = folder / "rctp+rc-grpo" if (folder / "rctp+rc-grpo").exists() else folder
     return [
-        {k: v for k, v in json.loads(line).items()
-         if k not in ("sec", "restored") and not k.startswith("time_")}  # wall-clock seconds
+        {
+            k: v
+            for k, v in json.loads(line).items()
+            if k not in ("sec", "restored") and not k.startswith("time_")
+        }  # wall-clock seconds
         for line in (folder / "metrics.jsonl").read_text().splitlines()
     ]
 
@@ -50,17 +53,30 @@ def check_whole_run(script, folder):
     if script == "flowrl.py":
         assert done["sampler_logprob_max_dev"] < 1e-3
         assert {"summary.json", "kl.png", "valleys.png", "config.json"} <= {
-            p.name for p in folder.iterdir()}
+            p.name for p in folder.iterdir()
+        }
     elif script == "flow_grpo.py":
         assert done["sampler_logprob_max_dev"] < 1e-6  # the SDE step re-scored exactly
-        assert {"accuracy_before", "accuracy_after", "reward_before", "reward_after",
-                "diversity_before", "diversity_after", "wall_seconds"} <= set(done)
+        assert {
+            "accuracy_before",
+            "accuracy_after",
+            "reward_before",
+            "reward_after",
+            "diversity_before",
+            "diversity_after",
+            "wall_seconds",
+        } <= set(done)
         assert done["reward_model_test_accuracy"] >= 0.95
         assert (folder / "samples.png").stat().st_size > 0
     elif script == "agentflow.py":
         assert done["sampler_logprob_max_dev"] < 1e-3  # the re-padded turns
-        assert {"accuracy_before", "accuracy_after", "mean_turns", "tool_error_rate",
-                "wall_seconds"} <= set(done)
+        assert {
+            "accuracy_before",
+            "accuracy_after",
+            "mean_turns",
+            "tool_error_rate",
+            "wall_seconds",
+        } <= set(done)
         assert done["accuracy_after"] == metrics(folder)[-1]["eval_accuracy"]
         assert "turn 1:" in (folder / "rollouts.txt").read_text()
     else:
@@ -72,16 +88,60 @@ def check_whole_run(script, folder):
 @pytest.mark.parametrize(
     "script, flags",
     [
-        ("flowrl.py", ["--steps", "4", "--group-size", "8", "--eval-every", "4", "--save-every",
-                       "1"]),
-        ("flow_grpo.py", ["--epochs", "12", "--eval-per-prompt", "4", "--eval-every", "12",
-                          "--save-every", "3",
-                          "--ema", "0.9"]),  # the EMA (evaluated and saved weights) continues
-        ("agentflow.py", ["--steps", "4", "--eval-every", "4", "--save-every", "1",
-                          "--no-ablation", "--queries-per-step", "2", "--warm-start-steps", "20"]),
-        ("rc_grpo.py", ["--steps", "4", "--arms", "rctp+rc-grpo", "--toy-tasks", "20",
-                        "--toy-test-tasks", "5", "--tasks-per-step", "2", "--failure-rollouts",
-                        "1", "--save-every", "1"]),
+        (
+            "flowrl.py",
+            ["--steps", "4", "--group-size", "8", "--eval-every", "4", "--save-every", "1"],
+        ),
+        (
+            "flow_grpo.py",
+            [
+                "--epochs",
+                "12",
+                "--eval-per-prompt",
+                "4",
+                "--eval-every",
+                "12",
+                "--save-every",
+                "3",
+                "--ema",
+                "0.9",
+            ],
+        ),  # the EMA (evaluated and saved weights) continues
+        (
+            "agentflow.py",
+            [
+                "--steps",
+                "4",
+                "--eval-every",
+                "4",
+                "--save-every",
+                "1",
+                "--no-ablation",
+                "--queries-per-step",
+                "2",
+                "--warm-start-steps",
+                "20",
+            ],
+        ),
+        (
+            "rc_grpo.py",
+            [
+                "--steps",
+                "4",
+                "--arms",
+                "rctp+rc-grpo",
+                "--toy-tasks",
+                "20",
+                "--toy-test-tasks",
+                "5",
+                "--tasks-per-step",
+                "2",
+                "--failure-rollouts",
+                "1",
+                "--save-every",
+                "1",
+            ],
+        ),
     ],
 )
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_cache, script, flags):
@@ -98,7 +158,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_ca
     check_whole_run(script, tmp_path / "whole")
 
     killed = subprocess.Popen(
-        run(tmp_path / "killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run(tmp_path / "killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     checkpoint = (
         tmp_path
         / "killed"
@@ -136,8 +197,9 @@ def test_two_runs_in_one_process_are_identical(tmp_path):
     flags = ["--algo", "grpo", "--steps", "3", "--eval-every", "3", "--quiet"]
     runs = []
     for name in ("a", "b"):
-        done = flowrl.train(cli.parse_args(flowrl.Args, flowrl.PRESETS,
-                                           [*flags, "--out-dir", str(tmp_path / name)]))
+        done = flowrl.train(
+            cli.parse_args(flowrl.Args, flowrl.PRESETS, [*flags, "--out-dir", str(tmp_path / name)])
+        )
         assert done["sampler_logprob_max_dev"] < 1e-3
         runs.append((metrics(tmp_path / name), summary(tmp_path / name)))
     assert runs[0] == runs[1]
@@ -150,9 +212,21 @@ def test_a_resumed_flowrl_run_does_not_evaluate_its_start_again(tmp_path, monkey
     calls = []
     evaluate = flowrl_tasks.evaluate
     monkeypatch.setattr(
-        flowrl_tasks, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
-    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1",
-             "--quiet", "--out-dir", str(tmp_path)]
+        flowrl_tasks, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k)
+    )
+    flags = [
+        "--steps",
+        "2",
+        "--inner-steps",
+        "1",
+        "--eval-every",
+        "100",
+        "--save-every",
+        "1",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
+    ]
     fresh = flowrl.train(cli.parse_args(flowrl.Args, flowrl.PRESETS, flags))
     assert len(calls) == 2  # the start and the end
     resumed = flowrl.train(cli.parse_args(flowrl.Args, flowrl.PRESETS, [*flags, "--resume"]))
@@ -166,33 +240,65 @@ def test_a_resumed_agentflow_run_does_not_evaluate_its_start_again(tmp_path, mon
     them back instead of evaluating the trained planner as the start."""
     calls = []
     evaluate = agentflow.evaluate
-    monkeypatch.setattr(
-        agentflow, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
-    flags = ["--steps", "2", "--inner-steps", "1", "--eval-every", "100", "--save-every", "1",
-             "--warm-start-steps", "20", "--no-ablation", "--quiet", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(agentflow, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    flags = [
+        "--steps",
+        "2",
+        "--inner-steps",
+        "1",
+        "--eval-every",
+        "100",
+        "--save-every",
+        "1",
+        "--warm-start-steps",
+        "20",
+        "--no-ablation",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
+    ]
     fresh = agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, flags))
     shown = (tmp_path / "rollouts.txt").read_text()
     assert len(calls) == 2  # the start, and the last step's
     resumed = agentflow.train(
-        cli.parse_args(agentflow.Args, agentflow.PRESETS, [*flags, "--resume"]))
+        cli.parse_args(agentflow.Args, agentflow.PRESETS, [*flags, "--resume"])
+    )
     assert len(calls) == 3  # the end only: the finished run evaluates its weights anew
     assert resumed["accuracy_before"] == fresh["accuracy_before"]
-    assert (tmp_path / "rollouts.txt").read_text().split("after training:")[0] == \
-        shown.split("after training:")[0]
+    assert (tmp_path / "rollouts.txt").read_text().split("after training:")[0] == shown.split(
+        "after training:"
+    )[0]
 
 
 @pytest.mark.long
 def test_a_resumed_rc_grpo_run_does_not_run_stage_1_again(tmp_path, monkeypatch):
     """Stage 1 is saved (out_dir/stage1.safetensors): a resumed run loads it and runs no
     supervised fine-tuning, and ends with the stage-1 accuracies of the first run."""
-    flags = ["--steps", "2", "--arms", "rctp+rc-grpo", "--toy-tasks", "60", "--toy-test-tasks",
-             "4", "--tasks-per-step", "4", "--failure-rollouts", "1", "--save-every", "1",
-             "--quiet", "--out-dir", str(tmp_path)]
+    flags = [
+        "--steps",
+        "2",
+        "--arms",
+        "rctp+rc-grpo",
+        "--toy-tasks",
+        "60",
+        "--toy-test-tasks",
+        "4",
+        "--tasks-per-step",
+        "4",
+        "--failure-rollouts",
+        "1",
+        "--save-every",
+        "1",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
+    ]
     first = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, flags))
     calls = []
     finetune = rc_grpo.supervised_finetune
-    monkeypatch.setattr(rc_grpo, "supervised_finetune",
-                        lambda *a, **k: calls.append(1) or finetune(*a, **k))
+    monkeypatch.setattr(
+        rc_grpo, "supervised_finetune", lambda *a, **k: calls.append(1) or finetune(*a, **k)
+    )
     resumed = rc_grpo.train(cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, [*flags, "--resume"]))
     assert calls == []
     assert resumed["rctp_accuracy"] == first["rctp_accuracy"]
@@ -200,6 +306,7 @@ def test_a_resumed_rc_grpo_run_does_not_run_stage_1_again(tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------ a sharded run
+
 
 @pytest.mark.long
 def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(tmp_path):
@@ -213,22 +320,72 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     from test_fsdp import MATH, save_tiny_math_model
 
     save_tiny_math_model(tmp_path / "tiny")
-    flags = ["--preset", "full", "--model", str(tmp_path / "tiny"), "--data", MATH,
-             "--eval-data", MATH, "--eval-k", "2", "--steps", "4", "--prompts-per-step", "2",
-             "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "6", "--lr", "1e-3",
-             "--logz-lr", "1e-2", "--warmup-steps", "0", "--eval-every", "100", "--save-every",
-             "1", "--mixed-precision", "bf16", "--fsdp", "--quiet", "--device", "cpu"]
+    flags = [
+        "--preset",
+        "full",
+        "--model",
+        str(tmp_path / "tiny"),
+        "--data",
+        MATH,
+        "--eval-data",
+        MATH,
+        "--eval-k",
+        "2",
+        "--steps",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--minibatches",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-3",
+        "--logz-lr",
+        "1e-2",
+        "--warmup-steps",
+        "0",
+        "--eval-every",
+        "100",
+        "--save-every",
+        "1",
+        "--mixed-precision",
+        "bf16",
+        "--fsdp",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
 
     def run(name, *extra):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node=2", str(ROOT / "tests" / "ddp_driver.py"), "flowrl",
-                str(tmp_path / name), *flags, "--out-dir", str(tmp_path / f"{name}-run"), *extra]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "ddp_driver.py"),
+            "flowrl",
+            str(tmp_path / name),
+            *flags,
+            "--out-dir",
+            str(tmp_path / f"{name}-run"),
+            *extra,
+        ]
 
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     subprocess.run(run("whole"), check=True, cwd=ROOT, capture_output=True, timeout=300, env=env)
 
-    killed = subprocess.Popen(run("killed"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    killed = subprocess.Popen(
+        run("killed"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     checkpoint = tmp_path / "killed-run" / "checkpoint.safetensors"
     deadline = time.time() + 300
     while not checkpoint.exists() and killed.poll() is None and time.time() < deadline:
@@ -236,8 +393,9 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     os.killpg(killed.pid, signal.SIGKILL)  # torchrun and both ranks
     killed.wait()
     assert tracking.checkpoint_state(checkpoint)["step"] < 4, "finished before it was killed"
-    subprocess.run(run("killed", "--resume"), check=True, cwd=ROOT, capture_output=True,
-                   timeout=300, env=env)
+    subprocess.run(
+        run("killed", "--resume"), check=True, cwd=ROOT, capture_output=True, timeout=300, env=env
+    )
     assert metrics(tmp_path / "killed-run") == metrics(tmp_path / "whole-run")
     assert summary(tmp_path / "killed-run") == summary(tmp_path / "whole-run")
     # the saved policy is the trained model: the driver's gathered weights, loaded into the
@@ -256,6 +414,7 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
 
 # ------------------------------------------------ nothing lost: resume, rerun and the output folder
 
+
 class OneProcess:
     """What check_out_dir needs of an Accelerator, for one process."""
 
@@ -270,7 +429,8 @@ def run_folder(folder):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text('{"steps": 2}\n')
     (folder / "metrics.jsonl").write_text(
-        '{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n')
+        '{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n'
+    )
     (folder / "summary.json").write_text('{"reward": 0.2}\n')
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
@@ -279,8 +439,14 @@ def other_scripts_checkpoint(path):
     """A readable checkpoint of another run: weights this script's model does not have."""
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    tracking.save_training_state(path, 1, {"policy": model}, {"optimizer": optimizer},
-                                 {"rollouts": torch.Generator()}, {"records": []})
+    tracking.save_training_state(
+        path,
+        1,
+        {"policy": model},
+        {"optimizer": optimizer},
+        {"rollouts": torch.Generator()},
+        {"records": []},
+    )
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "truncated", "empty", "a folder", "another run's"])
@@ -297,11 +463,17 @@ def test_a_failed_resume_leaves_the_run_as_it_was(kind, tmp_path, capsys):
     else:
         other_scripts_checkpoint(checkpoint)
         data = checkpoint.read_bytes()
-        checkpoint.write_bytes({"corrupt": b"\x00garbage" * 50, "empty": b"",
-                                "truncated": data[: len(data) // 2]}[kind])
+        checkpoint.write_bytes(
+            {"corrupt": b"\x00garbage" * 50, "empty": b"", "truncated": data[: len(data) // 2]}[
+                kind
+            ]
+        )
     before = {name: (folder / name).read_bytes() for name in before}
-    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, [
-        "--quiet", "--steps", "2", "--resume", "--out-dir", str(folder)])
+    args = cli.parse_args(
+        flowrl.Args,
+        flowrl.PRESETS,
+        ["--quiet", "--steps", "2", "--resume", "--out-dir", str(folder)],
+    )
     with pytest.raises(SystemExit) as exit_info:
         flowrl.train(args)
     message = str(exit_info.value)

@@ -29,8 +29,13 @@ def test_step_metrics_sum_the_loss_and_weigh_statistics_by_rows():
     metrics = tracking.StepMetrics(num_updates=2)
     metrics.add(3, 1.0, 0.5, update=0, w=torch.tensor([1.0, 2.0, 3.0]), clipfrac=0.5)
     metrics.add(1, 3.0, 0.75, update=1, w=torch.tensor([6.0]), clipfrac=1.0)
-    assert metrics.means() == {"loss": 2.0, "ratio_dev": 0.75, "ratio_dev_first": 0.5, "w": 3.0,
-                               "clipfrac": 0.625}
+    assert metrics.means() == {
+        "loss": 2.0,
+        "ratio_dev": 0.75,
+        "ratio_dev_first": 0.5,
+        "w": 3.0,
+        "clipfrac": 0.625,
+    }
     assert "ratio_dev_first" not in tracking.StepMetrics().means()  # one update: not asked
 
 

@@ -41,13 +41,24 @@ def test_imports_go_one_way():
     import ast
 
     project = {p.stem for p in ROOT.glob("*.py")} | {"envs", "utils"}
-    for path in [ROOT / "common.py", *ROOT.glob("envs/*.py"), *ROOT.glob("utils/*.py"),
-                 *(ROOT / name for name in ALGORITHMS)]:
+    for path in [
+        ROOT / "common.py",
+        *ROOT.glob("envs/*.py"),
+        *ROOT.glob("utils/*.py"),
+        *(ROOT / name for name in ALGORITHMS),
+    ]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                    for a in n.names}
-        imported |= {n.module.split(".")[0] for n in ast.walk(tree)
-                     if isinstance(n, ast.ImportFrom) and n.module}
+        imported = {
+            a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+        }
+        imported |= {
+            n.module.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module
+        }
         mine = imported & project
         if path.name == "common.py":
             assert not mine, mine
@@ -55,8 +66,18 @@ def test_imports_go_one_way():
             assert not mine & {Path(a).stem for a in ALGORITHMS}, (path.name, mine)
 
 
-RUN_FLAGS = ["seed", "seeds", "out_dir", "device", "quiet", "report_to", "save_every", "resume",
-             "overwrite", "timeout"]
+RUN_FLAGS = [
+    "seed",
+    "seeds",
+    "out_dir",
+    "device",
+    "quiet",
+    "report_to",
+    "save_every",
+    "resume",
+    "overwrite",
+    "timeout",
+]
 
 
 def test_the_four_scripts_share_the_run_flags():
@@ -79,8 +100,9 @@ def ruff(*command):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True
+    )
 
 
 @pytest.mark.xfail(strict=False, reason="laid out by hand until the one `ruff format` commit")
@@ -109,8 +131,9 @@ def rebinding_chains(tree):
         return node.targets[0].id if simple and isinstance(node.targets[0], ast.Name) else None
 
     found = []
-    for block in (getattr(n, field, None) for n in ast.walk(tree)
-                  for field in ("body", "orelse", "finalbody")):
+    for block in (
+        getattr(n, field, None) for n in ast.walk(tree) for field in ("body", "orelse", "finalbody")
+    ):
         if not isinstance(block, list):
             continue
         for k, statement in enumerate(block):
@@ -128,9 +151,15 @@ def crowded_calls_in_loops(tree, limit=8):
     import ast
 
     loops = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-    return sorted({call.lineno for loop in ast.walk(tree) if isinstance(loop, loops)
-                   for call in ast.walk(loop) if isinstance(call, ast.Call)
-                   and len(call.args) + len(call.keywords) > limit})
+    return sorted(
+        {
+            call.lineno
+            for loop in ast.walk(tree)
+            if isinstance(loop, loops)
+            for call in ast.walk(loop)
+            if isinstance(call, ast.Call) and len(call.args) + len(call.keywords) > limit
+        }
+    )
 
 
 def test_no_rebinding_chain_and_no_crowded_call_in_a_loop():
@@ -162,9 +191,22 @@ def test_project_calls_pass_few_positional_arguments():
     or a literal or expression (not a name) positionally after its third: those go by keyword."""
     import ast
 
-    project_modules = {"common", "tracking", "distributed", "cli", "sweep", "models", "bfcl",
-                       "bfcl_toy", "flowrl_tasks", "agent_tools", "agent_toy", "digits", "sd3",
-                       "sandbox"}
+    project_modules = {
+        "common",
+        "tracking",
+        "distributed",
+        "cli",
+        "sweep",
+        "models",
+        "bfcl",
+        "bfcl_toy",
+        "flowrl_tasks",
+        "agent_tools",
+        "agent_toy",
+        "digits",
+        "sd3",
+        "sandbox",
+    }
     bad = []
     for name in ALGORITHMS:
         tree = ast.parse((ROOT / name).read_text(encoding="utf-8"))
@@ -172,8 +214,10 @@ def test_project_calls_pass_few_positional_arguments():
         for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
             func = call.func
             mine = (isinstance(func, ast.Name) and func.id in own) or (
-                isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                and func.value.id in project_modules)
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id in project_modules
+            )
             named = (ast.Name, ast.Attribute, ast.Subscript)  # a name, or an item of one
             late = [a for a in call.args[3:] if not isinstance(a, named)]
             if mine and (len(call.args) > 6 or late):

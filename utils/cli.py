@@ -30,10 +30,14 @@ def parse_args(args_cls, presets=None, argv=None):
     defaults.update(presets.get(known.preset, {}))
 
     parser = argparse.ArgumentParser(
-        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0])
+        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0]
+    )
     parser.add_argument(
-        "--preset", default="toy", choices=["toy", *presets],
-        help="toy: tiny offline CPU run (default); " + ", ".join(presets) + ": paper-scale")
+        "--preset",
+        default="toy",
+        choices=["toy", *presets],
+        help="toy: tiny offline CPU run (default); " + ", ".join(presets) + ": paper-scale",
+    )
     names = {f.name for f in dataclasses.fields(args_cls)}
     for f in dataclasses.fields(args_cls):
         if f.name == "preset":
@@ -42,8 +46,11 @@ def parse_args(args_cls, presets=None, argv=None):
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.type in (bool, "bool"):
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=defaults[f.name],
-                help=help_text)
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=defaults[f.name],
+                help=help_text,
+            )
         else:
             kind = (
                 {"int": int, "float": float, "str": str}.get(f.type, f.type)
@@ -51,8 +58,12 @@ def parse_args(args_cls, presets=None, argv=None):
                 else f.type
             )
             parser.add_argument(
-                flag, type=kind, default=defaults[f.name], choices=f.metadata.get("choices"),
-                help=f"{help_text} (default: {defaults[f.name]})")
+                flag,
+                type=kind,
+                default=defaults[f.name],
+                choices=f.metadata.get("choices"),
+                help=f"{help_text} (default: {defaults[f.name]})",
+            )
     ns = vars(parser.parse_args(argv))
     if "preset" in names:  # a field of its own: `train(Args(...))` works without the CLI
         return args_cls(**ns)
@@ -64,17 +75,57 @@ def parse_args(args_cls, presets=None, argv=None):
 
 # Rules that hold for a flag of this name in every script; each script's `validate` adds its own.
 COUNTS = (  # at least 1
-    "steps", "epochs", "prompts_per_step", "queries_per_step", "prompts_per_epoch",
-    "tasks_per_step", "inner_steps", "minibatches", "max_new_tokens", "eval_every", "eval_k",
-    "micro_batch_tokens", "micro_batch", "gen_batch", "eval_batch", "eval_per_prompt",
-    "train_steps", "eval_steps", "max_turns", "eval_max_turns", "sft_batch", "failure_rollouts",
-    "max_steps", "max_prompt_tokens", "timeout", "stage1_timeout", "spread_samples",
-    "warm_start_demos", "toy_tasks", "toy_test_tasks", "minibatch_rows", "gen_tokens")
+    "steps",
+    "epochs",
+    "prompts_per_step",
+    "queries_per_step",
+    "prompts_per_epoch",
+    "tasks_per_step",
+    "inner_steps",
+    "minibatches",
+    "max_new_tokens",
+    "eval_every",
+    "eval_k",
+    "micro_batch_tokens",
+    "micro_batch",
+    "gen_batch",
+    "eval_batch",
+    "eval_per_prompt",
+    "train_steps",
+    "eval_steps",
+    "max_turns",
+    "eval_max_turns",
+    "sft_batch",
+    "failure_rollouts",
+    "max_steps",
+    "max_prompt_tokens",
+    "timeout",
+    "stage1_timeout",
+    "spread_samples",
+    "warm_start_demos",
+    "toy_tasks",
+    "toy_test_tasks",
+    "minibatch_rows",
+    "gen_tokens",
+)
 OPTIONAL_COUNTS = (  # where 0 means "all"
-    "max_turns", "micro_batch", "minibatch_rows", "gen_tokens")
+    "max_turns",
+    "micro_batch",
+    "minibatch_rows",
+    "gen_tokens",
+)
 FRACTIONS = ("careless", "rare_share", "p_high", "timestep_fraction", "label_noise")  # in [0, 1]
-POSITIVE = ("lr", "logz_lr", "sft_lr", "warm_start_lr", "clip_eps", "clip_eps_high",
-            "clip_range", "adv_clip", "tool_timeout")
+POSITIVE = (
+    "lr",
+    "logz_lr",
+    "sft_lr",
+    "warm_start_lr",
+    "clip_eps",
+    "clip_eps_high",
+    "clip_range",
+    "adv_clip",
+    "tool_timeout",
+)
 # --seed and --seeds: 0 … 2³² − 1, the range numpy's global seed takes (torch's takes 64 bits)
 SEED_MAX = 2**32 - 1
 
@@ -106,7 +157,8 @@ def check_args(conditions, args=None):
     """Exit with one clear line for the violated `(condition, message)` pairs, and (given `args`)
     the number rules above, instead of a deep traceback."""
     errors = (number_errors(args) if args is not None else []) + [
-        msg for ok, msg in conditions if not ok]
+        msg for ok, msg in conditions if not ok
+    ]
     if errors:
         raise SystemExit("error: " + "; ".join(errors))
 
@@ -121,7 +173,8 @@ def read_lines(path, flag):
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise SystemExit(
-            f"error: {flag} {path} is not UTF-8 text (bad byte at offset {err.start})") from None
+            f"error: {flag} {path} is not UTF-8 text (bad byte at offset {err.start})"
+        ) from None
     except OSError as err:
         raise SystemExit(f"error: {flag} {path} cannot be read ({err.strerror})") from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
@@ -147,11 +200,15 @@ def read_jsonl(path, flag, fields):
             names = field.split("|")
             value = next((row[name] for name in names if row.get(name) is not None), None)
             usable = isinstance(value, (str, int, float)) and not isinstance(value, bool)
-            if not usable or (isinstance(value, float) and not math.isfinite(value)) \
-                    or not str(value).strip():
+            if (
+                not usable
+                or (isinstance(value, float) and not math.isfinite(value))
+                or not str(value).strip()
+            ):
                 raise SystemExit(
                     f"error: {path}:{n}: {field!r} must be a non-empty string or number "
-                    f"(got {json.dumps(value)})")
+                    f"(got {json.dumps(value)})"
+                )
             kept[names[0]] = str(value)
         rows.append(kept)
     return rows

@@ -27,10 +27,12 @@ def setup_accelerator(device_name="auto", timeout_s=1800):
     if asked != "no":
         raise SystemExit(
             f"error: the accelerate config asks for mixed_precision {asked!r}; set it to 'no' and "
-            "pass --mixed-precision to the script instead")
+            "pass --mixed-precision to the script instead"
+        )
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))
     accelerator = Accelerator(
-        cpu=device_name == "cpu", mixed_precision="no", kwargs_handlers=[timeout])
+        cpu=device_name == "cpu", mixed_precision="no", kwargs_handlers=[timeout]
+    )
     return accelerator, accelerator.device
 
 
@@ -41,7 +43,8 @@ def local_groups(num_groups, accelerator):
     world, rank = accelerator.num_processes, accelerator.process_index
     if num_groups % world:
         raise SystemExit(
-            f"error: {num_groups} groups per step do not split evenly over {world} processes")
+            f"error: {num_groups} groups per step do not split evenly over {world} processes"
+        )
     per_rank = num_groups // world
     return range(rank * per_rank, (rank + 1) * per_rank)
 
@@ -85,7 +88,8 @@ def check_shared_folder(folder):
         blind = [r for r, ok in enumerate(seen) if not ok]
         raise SystemExit(
             f"error: rank(s) {blind} cannot see {marker}, which rank 0 wrote: give every rank the "
-            "same --out-dir on a file system they share")
+            "same --out-dir on a file system they share"
+        )
 
 
 def wait_for_file(path, timeout_s, flag):
@@ -97,7 +101,8 @@ def wait_for_file(path, timeout_s, flag):
             raise SystemExit(
                 f"error: {path} did not appear within {timeout_s} s (rank 0 writes it): give "
                 f"every rank the same --out-dir on a shared file system, check rank 0's log, or "
-                f"raise {flag}")
+                f"raise {flag}"
+            )
         time.sleep(min(2.0, timeout_s / 10))
 
 
@@ -159,8 +164,10 @@ def shard(model, bf16):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not torch.distributed.is_initialized():  # one rank under a launcher is allowed (gpu_check)
-        raise SystemExit("error: --fsdp shards over several processes: start it with "
-                         "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N`")
+        raise SystemExit(
+            "error: --fsdp shards over several processes: start it with "
+            "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N`"
+        )
     frozen = not any(p.requires_grad for p in model.parameters())
     policy = MixedPrecisionPolicy()
     if bf16 and frozen:

@@ -1,10 +1,10 @@
 """Models the scripts load: tiny offline ones of the real classes, the bundled SmolLM2, a hub id.
 
-    make_tokenizer / tiny_causal_lm   a word-level tokenizer and a Qwen2ForCausalLM at toy size
-    letter_clip_tokenizer             a CLIPTokenizer over letters, for tiny SD3 pipelines
-    load_causal_lm                    tokenizer + model from the hub, a path or `smollm2`, with a
-                                      one-line error when it cannot be loaded; fp32 master weights
-    add_lora                          the one LoRA wrapper every script uses (peft)
+make_tokenizer / tiny_causal_lm   a word-level tokenizer and a Qwen2ForCausalLM at toy size
+letter_clip_tokenizer             a CLIPTokenizer over letters, for tiny SD3 pipelines
+load_causal_lm                    tokenizer + model from the hub, a path or `smollm2`, with a
+                                  one-line error when it cannot be loaded; fp32 master weights
+add_lora                          the one LoRA wrapper every script uses (peft)
 """
 
 import json
@@ -28,8 +28,12 @@ def make_tokenizer(words, special_tokens=()):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-        eos_token="<eos>")
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+    )
     if special_tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     return tokenizer
@@ -49,11 +53,19 @@ def letter_clip_tokenizer(folder):
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
     return CLIPTokenizer(
-        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
+        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77
+    )
 
 
-def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_positions=512,
-                   seed=0, gradient_checkpointing=False):
+def tiny_causal_lm(
+    vocab_size,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    max_positions=512,
+    seed=0,
+    gradient_checkpointing=False,
+):
     """A randomly initialised Qwen2ForCausalLM from a config: the full-scale class at toy size,
     with activation checkpointing as the full-scale loader sets it (`load_causal_lm`).
 
@@ -63,10 +75,18 @@ def tiny_causal_lm(vocab_size, hidden_size=64, num_layers=2, num_heads=4, max_po
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2), max_position_embeddings=max_positions,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if gradient_checkpointing:
@@ -111,14 +131,16 @@ def smollm2_checkpoint():
     path = gguf.locate()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     config = loaded.config
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tmp = Path(
-        tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None, prefix="smollm2-"))
+        tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None, prefix="smollm2-")
+    )
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +163,8 @@ def clean_generation_config(model):
     eos = old.eos_token_id if isinstance(old.eos_token_id, list) else [old.eos_token_id]
     model.stop_ids = [i for i in eos if i is not None]
     model.generation_config = GenerationConfig(
-        eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id, bos_token_id=old.bos_token_id)
+        eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id, bos_token_id=old.bos_token_id
+    )
     return model
 
 
@@ -187,8 +210,9 @@ def add_lora(model, rank, alpha=None):
     adapter disabled the model is the base model, which the scripts use as π_ref."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, config)
 
 
@@ -196,7 +220,8 @@ def check_master_weights(model):
     """Refuse to train weights stored in bf16/fp16: AdamW updates of ~1e-6 round away (NOTE in
     load_causal_lm)."""
     low = sorted(
-        {str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+        {str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}
+    )
     if low:
         raise SystemExit(
             f"error: trainable weights are {', '.join(low)}; keep fp32 master weights "
@@ -214,8 +239,10 @@ class AdapterSubset:
 
     def __call__(self, *args, **kwargs):
         tuner = self.model.base_model
-        active, trainable = list(tuner.active_adapters), [
-            (p, p.requires_grad) for p in self.model.parameters()]
+        active, trainable = (
+            list(tuner.active_adapters),
+            [(p, p.requires_grad) for p in self.model.parameters()],
+        )
         tuner.set_adapter(self.names)
         try:
             return self.model(*args, **kwargs)

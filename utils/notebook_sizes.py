@@ -20,15 +20,32 @@ TINY = {
     "flow_grpo": (dict(epochs=3, eval_per_prompt=8, eval_every=2), {}),
     "agentflow": (
         dict(steps=3, eval_every=3, warm_start_steps=50),
-        dict(eval_data="../tests/data/people_tiny.jsonl", steps=1, queries_per_step=1, group_size=2,
-             warm_start_demos=2, warm_start_steps=1, ablation=False, max_turns=1,
-             eval_max_turns=1, max_new_tokens=10),
+        dict(
+            eval_data="../tests/data/people_tiny.jsonl",
+            steps=1,
+            queries_per_step=1,
+            group_size=2,
+            warm_start_demos=2,
+            warm_start_steps=1,
+            ablation=False,
+            max_turns=1,
+            eval_max_turns=1,
+            max_new_tokens=10,
+        ),
     ),
     "rc_grpo": (
         dict(toy_tasks=20, toy_test_tasks=10, steps=2, tasks_per_step=2, failure_rollouts=1),
-        dict(tasks="multi_turn_base_1,multi_turn_base_9", arms="rctp+rc-grpo", lora_rank=8,
-             steps=1, tasks_per_step=1, group_size=2, max_steps=1, max_new_tokens=12,
-             rctp_epochs=1),
+        dict(
+            tasks="multi_turn_base_1,multi_turn_base_9",
+            arms="rctp+rc-grpo",
+            lora_rank=8,
+            steps=1,
+            tasks_per_step=1,
+            group_size=2,
+            max_steps=1,
+            max_new_tokens=12,
+            rctp_epochs=1,
+        ),
     ),
 }
 

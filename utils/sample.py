@@ -13,7 +13,8 @@ def sample_trained(argv):
     whose base model must be reachable) and print completions of PROMPT, chat-formatted when the
     tokenizer has a template. Greedy unless --temperature > 0."""
     parser = argparse.ArgumentParser(
-        prog="python -m utils.sample", description=sample_trained.__doc__)
+        prog="python -m utils.sample", description=sample_trained.__doc__
+    )
     parser.add_argument("folder", help="a saved policy, planner or adapter folder")
     parser.add_argument("prompt", help="the user message")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -24,7 +25,8 @@ def sample_trained(argv):
         raise SystemExit("error: --max-new-tokens and --n must be ≥ 1")
     if not 0 <= args.temperature < float("inf"):  # NaN fails this too
         raise SystemExit(
-            f"error: --temperature must be a finite number ≥ 0 (got {args.temperature})")
+            f"error: --temperature must be a finite number ≥ 0 (got {args.temperature})"
+        )
     folder = Path(args.folder)
     if not (folder / "config.json").exists() and not (folder / "adapter_config.json").exists():
         raise SystemExit(
@@ -49,7 +51,8 @@ def sample_trained(argv):
         messages = [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     outputs = common.sample_completions(
-        model, tokenizer, [prompt] * args.n, args.max_new_tokens, temperature=args.temperature)
+        model, tokenizer, [prompt] * args.n, args.max_new_tokens, temperature=args.temperature
+    )
     for text, _, _ in outputs:
         print(text)
 

@@ -24,7 +24,8 @@ def parse_seeds(text):
             seeds = [int(part) for part in text.split(",")]
     except ValueError:
         raise SystemExit(
-            f"error: --seeds takes a range like 0-4 or a list like 1,3,7 (got {text!r})") from None
+            f"error: --seeds takes a range like 0-4 or a list like 1,3,7 (got {text!r})"
+        ) from None
     if not seeds or min(seeds) < 0:
         raise SystemExit(f"error: --seeds gives no non-negative seed (got {text!r})")
     if max(seeds) > cli.SEED_MAX:
@@ -46,7 +47,8 @@ def seed_sweep(train, args, arms, row, claim, out_dir):
         for name, overrides in arms:
             run_dir = out_dir / f"seed{seed}" / name if name else out_dir / f"seed{seed}"
             run_args = dataclasses.replace(
-                args, seed=seed, out_dir=str(run_dir), seeds="", quiet=True, **overrides)
+                args, seed=seed, out_dir=str(run_dir), seeds="", quiet=True, **overrides
+            )
             summaries[name] = train(run_args)
         rows.append({"seed": seed, **row(summaries)})
         rows[-1]["claim_holds"] = bool(claim(rows[-1]))
@@ -78,7 +80,9 @@ def sweep_table(result):
     rows, stats = result["rows"], result["stats"]
     columns = [k for k in rows[0] if k not in ("seed", "claim_holds")]
     lines = [
-        "| seed | " + " | ".join(columns) + " | claim holds |", "|---" * (len(columns) + 2) + "|"]
+        "| seed | " + " | ".join(columns) + " | claim holds |",
+        "|---" * (len(columns) + 2) + "|",
+    ]
     lines += [
         f"| {r['seed']} | "
         + " | ".join(str(r[c]) if isinstance(r[c], int) else f"{r[c]:.3f}" for c in columns)

@@ -20,7 +20,11 @@ import torch
 from utils import distributed
 
 RUN_FILES = (  # a run is in the folder
-    "metrics.jsonl", "summary.json", "checkpoint.safetensors", "stage1.safetensors")
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoint.safetensors",
+    "stage1.safetensors",
+)
 FLAT_STEPS = 3  # steps in a row whose groups all have equal rewards before a run says so
 
 
@@ -97,8 +101,9 @@ class RunLogger:
     `records` are the metrics of a resumed run's steps so far: metrics.jsonl is replaced by them
     (through a temporary file) and then appended to, never truncated in place."""
 
-    def __init__(self, out_dir, config, total_steps, desc, quiet=False, main_process=True,
-                 records=()):
+    def __init__(
+        self, out_dir, config, total_steps, desc, quiet=False, main_process=True, records=()
+    ):
         from tqdm import tqdm
 
         self.out_dir = Path(out_dir)
@@ -108,13 +113,15 @@ class RunLogger:
         self.metrics_file = io.StringIO()
         if main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            write_atomically(self.out_dir / "config.json",
-                             json.dumps(config, indent=2, default=str))
+            write_atomically(
+                self.out_dir / "config.json", json.dumps(config, indent=2, default=str)
+            )
             lines = "".join(json.dumps(record) + "\n" for record in self.records)
             write_atomically(self.out_dir / "metrics.jsonl", lines)
             self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
         self.bar = tqdm(
-            total=total_steps, desc=desc, disable=self.quiet, leave=False, file=sys.stderr)
+            total=total_steps, desc=desc, disable=self.quiet, leave=False, file=sys.stderr
+        )
         self.bar.update(self.records[-1]["step"] if self.records else 0)
         self.start = time.time()
         self.tensorboard = None
@@ -129,10 +136,12 @@ class RunLogger:
         record = {"step": step, "sec": round(time.time() - self.start, 2), **metrics}
         self.records.append(record)
         if self.main_process and flat_streak(self.records) == FLAT_STEPS:
-            print(f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so "
-                  "every advantage, loss and gradient was 0: this run is learning nothing (a warm "
-                  "start, an easier task or a larger group would give groups both outcomes)",
-                  file=sys.stderr)
+            print(
+                f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so "
+                "every advantage, loss and gradient was 0: this run is learning nothing (a warm "
+                "start, an easier task or a larger group would give groups both outcomes)",
+                file=sys.stderr,
+            )
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         if self.tensorboard:
@@ -158,15 +167,19 @@ class RunLogger:
 
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         summary = {
-            **summary, "wall_seconds": round(time.time() - self.start, 2),
-            "peak_rss_mb": round(peak_rss_mb)}
+            **summary,
+            "wall_seconds": round(time.time() - self.start, 2),
+            "peak_rss_mb": round(peak_rss_mb),
+        }
         if not self.main_process:
             return summary
         write_atomically(self.out_dir / "summary.json", json.dumps(summary, indent=2))
         for filename, keys, title in plots:
             plot_curves(
                 {k: [(r["step"], r[k]) for r in self.records if k in r] for k in keys},
-                self.out_dir / filename, title)
+                self.out_dir / filename,
+                title,
+            )
         return summary
 
 
@@ -213,8 +226,10 @@ def save_checkpoint(path, tensors, state):
     os.close(fd)
     try:
         save_file(
-            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-            metadata={"state": json.dumps(state)})
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+            tmp,
+            metadata={"state": json.dumps(state)},
+        )
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -262,10 +277,15 @@ def trained_tensors(modules, optimizers):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(box, options=options)
-        states = {name: numbered(get_optimizer_state_dict(box, optimizer, options=options))
-                  for name, optimizer in optimizers.items()}
-    flat = {f"module/{name.replace('.', '/', 1)}": weights[name]
-            for name in trainable if name in weights}
+        states = {
+            name: numbered(get_optimizer_state_dict(box, optimizer, options=options))
+            for name, optimizer in optimizers.items()
+        }
+    flat = {
+        f"module/{name.replace('.', '/', 1)}": weights[name]
+        for name in trainable
+        if name in weights
+    }
     for name, sd in states.items():
         if sd:
             groups[name] = sd["param_groups"]
@@ -281,10 +301,14 @@ def numbered(state_dict):
         return {}
     order = [name for group in state_dict["param_groups"] for name in group["params"]]
     position = {name: k for k, name in enumerate(order)}
-    groups = [group | {"params": [position[n] for n in group["params"]]}
-              for group in state_dict["param_groups"]]
-    return {"state": {position[n]: v for n, v in state_dict["state"].items()},
-            "param_groups": groups}
+    groups = [
+        group | {"params": [position[n] for n in group["params"]]}
+        for group in state_dict["param_groups"]
+    ]
+    return {
+        "state": {position[n]: v for n, v in state_dict["state"].items()},
+        "param_groups": groups,
+    }
 
 
 def rng_states():
@@ -314,8 +338,12 @@ def save_training_state(path, step, modules, optimizers, generators, extra, writ
     flat["rng/torch"] = rank_rngs[0]["torch"].clone()
     numpy_state = np.random.get_state()
     state = {
-        "step": step, "extra": extra, "param_groups": groups, "python_rng": random.getstate(),
-        "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]]}
+        "step": step,
+        "extra": extra,
+        "param_groups": groups,
+        "python_rng": random.getstate(),
+        "numpy_rng": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
     save_checkpoint(path, flat, state)
 
 
@@ -326,8 +354,11 @@ def load_training_state(path, modules, optimizers, generators):
     sharded = any(distributed.is_sharded(p) for p in box.parameters())
     rank0 = not sharded or torch.distributed.get_rank() == 0
     flat, state = load_checkpoint(path, everything=rank0)
-    saved = {k[len("module/"):].replace("/", ".", 1): v
-             for k, v in flat.items() if k.startswith("module/")}
+    saved = {
+        k[len("module/") :].replace("/", ".", 1): v
+        for k, v in flat.items()
+        if k.startswith("module/")
+    }
     trainable = {name for name, p in box.named_parameters() if p.requires_grad}
     missing = trainable - set(saved)
     if rank0 and missing:
@@ -354,9 +385,13 @@ def load_training_state(path, modules, optimizers, generators):
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        named = {"state": {order[k]: v for k, v in slots.items()}, "param_groups": [
-            group | {"params": [order[k] for k in group["params"]]}
-            for group in sd["param_groups"]]}
+        named = {
+            "state": {order[k]: v for k, v in slots.items()},
+            "param_groups": [
+                group | {"params": [order[k] for k in group["params"]]}
+                for group in sd["param_groups"]
+            ],
+        }
         set_model_state_dict(box, saved if rank0 else {}, options=options)
         set_optimizer_state_dict(box, optimizer, named if rank0 else {}, options=options)
     if not sharded:
@@ -389,23 +424,25 @@ def check_out_dir(out_dir, args, accelerator):
     except OSError as err:
         raise SystemExit(
             f"error: --out-dir {str(out_dir)!r} is not a folder this user can write "
-            f"({err.strerror or type(err).__name__})") from None
+            f"({err.strerror or type(err).__name__})"
+        ) from None
     files = [p for name in RUN_FILES for p in out_dir.rglob(name)]
     # what --resume continues from: a step's checkpoint, or rc_grpo's finished stage 1
     checkpoints = [p for p in files if p.name in ("checkpoint.safetensors", "stage1.safetensors")]
     if files and not (args.resume or args.overwrite):
         raise SystemExit(
             f"error: --out-dir {str(out_dir)!r} already holds a run; --resume continues it, "
-            "--overwrite replaces it, or choose another --out-dir")
+            "--overwrite replaces it, or choose another --out-dir"
+        )
     if args.resume and args.overwrite:
         raise SystemExit("error: --resume and --overwrite exclude each other")
     if args.resume and files and not checkpoints:
         raise SystemExit(
             f"error: --resume: {str(out_dir)!r} holds a run but no checkpoint "
-            "(--save-every 0?); --overwrite starts it again")
+            "(--save-every 0?); --overwrite starts it again"
+        )
     if args.resume and not files:
-        print(f"note: --resume: {str(out_dir)!r} holds no run yet; starting fresh",
-              file=sys.stderr)
+        print(f"note: --resume: {str(out_dir)!r} holds no run yet; starting fresh", file=sys.stderr)
     for path in checkpoints:
         if args.resume:
             unreadable_checkpoint_exits(path, checkpoint_state)  # the header: no tensor read twice
@@ -439,8 +476,19 @@ class Run:
     fails to load leaves the run's files as they were. Only the main process writes; every
     process keeps the records."""
 
-    def __init__(self, out_dir, args, *, desc, total_steps, modules, optimizers, generators,
-                 main_process=True, config=None):
+    def __init__(
+        self,
+        out_dir,
+        args,
+        *,
+        desc,
+        total_steps,
+        modules,
+        optimizers,
+        generators,
+        main_process=True,
+        config=None,
+    ):
         self.out_dir, self.args, self.desc = Path(out_dir), args, desc
         self.checkpoint = self.out_dir / "checkpoint.safetensors"
         self.state = (modules, optimizers, generators)
@@ -458,11 +506,18 @@ class Run:
         start, extra = 1, {}
         if self.args.resume and self.checkpoint.exists():
             done, extra = unreadable_checkpoint_exits(
-                self.checkpoint, lambda path: load_training_state(path, *self.state))
+                self.checkpoint, lambda path: load_training_state(path, *self.state)
+            )
             start = done + 1
         self.logger = RunLogger(
-            self.out_dir, self.config, self.total_steps, self.desc, self.args.quiet,
-            self.main_process, records=extra.pop("records", []))
+            self.out_dir,
+            self.config,
+            self.total_steps,
+            self.desc,
+            self.args.quiet,
+            self.main_process,
+            records=extra.pop("records", []),
+        )
         return start, extra
 
     def log(self, step, record, extra=None):
@@ -471,9 +526,13 @@ class Run:
         save_every = self.args.save_every
         due = step % save_every == 0 or step == self.total_steps if save_every else False
         if due:  # every rank: a sharded model is gathered to rank 0, which writes
-            save_training_state(self.checkpoint, step, *self.state,
-                                extra=(extra or {}) | {"records": self.logger.records},
-                                write=self.main_process)
+            save_training_state(
+                self.checkpoint,
+                step,
+                *self.state,
+                extra=(extra or {}) | {"records": self.logger.records},
+                write=self.main_process,
+            )
 
     def finish(self, summary, plots=()):
         return self.logger.finish(summary, plots)
