@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ["", "envs", "utils", "tests", "benchmarks"]
 SOURCES = sorted(p for d in FOLDERS for p in (ROOT / d).glob("*.py"))
@@ -105,7 +103,6 @@ def ruff(*command):
     )
 
 
-@pytest.mark.xfail(strict=False, reason="laid out by hand until the one `ruff format` commit")
 def test_ruff_check_passes():
     """ruff.toml's rules (pycodestyle, pyflakes, import order, bugbear) over the project's Python
     and its notebooks."""
@@ -113,7 +110,6 @@ def test_ruff_check_passes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="laid out by hand until the one `ruff format` commit")
 def test_ruff_format_leaves_every_file_as_it_is():
     """The layout is `ruff format`'s (line length 100, magic trailing comma off): a call that fits
     on one line is on one line, and none is tuned by hand."""
