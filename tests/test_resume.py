@@ -393,9 +393,10 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
     os.killpg(killed.pid, signal.SIGKILL)  # torchrun and both ranks
     killed.wait()
     assert tracking.checkpoint_state(checkpoint)["step"] < 4, "finished before it was killed"
-    subprocess.run(
-        run("killed", "--resume"), check=True, cwd=ROOT, capture_output=True, timeout=300, env=env
+    resumed = subprocess.run(
+        run("killed", "--resume"), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
     )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert metrics(tmp_path / "killed-run") == metrics(tmp_path / "whole-run")
     assert summary(tmp_path / "killed-run") == summary(tmp_path / "whole-run")
     # the saved policy is the trained model: the driver's gathered weights, loaded into the
