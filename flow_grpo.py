@@ -19,8 +19,9 @@ Equation map (paper → function):
     CFG        v = v_∅ + w·(v_c − v_∅)                               → guided_velocity
     Eq. 5      per step: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + β·KL       → step_loss
     Eq. 4      A = (R − mean_G R)/std_G R; as the official code computes it,
-               clip((r − mean_prompt)/(std + 1e-4), ±5), std global or per prompt (Dev. 3)
+               (r − mean_prompt)/(std + 1e-4), std global or per prompt (Dev. 3)
                                                                     → common.group_advantages
+               then clipped to ±5 (--adv-clip)                       → train, step 3
     rollouts   train_steps with the SDE, evaluation at eval_steps with the ODE
                                                                     → rollout
 
