@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
+import memory_plan  # noqa: E402
 import rc_grpo  # noqa: E402
 from memory_plan import (  # noqa: E402
     full_plan,
@@ -69,25 +70,8 @@ PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "A100": 312e12,
 }
-QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vocab)
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
+QWEN = {  # the published configs (memory_plan.QWEN), and a tiny one for --tiny
+    **memory_plan.QWEN,
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -100,21 +84,7 @@ QWEN = {  # published configs (hidden, layers, heads, kv heads, intermediate, vo
 }
 SD3 = {  # SD3.5-Medium's transformer and VAE as published; its text encoders cut to one layer
     "sd3.5-medium": dict(
-        transformer=dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            num_layers=24,
-            attention_head_dim=64,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            caption_projection_dim=1536,
-            pooled_projection_dim=2048,
-            out_channels=16,
-            pos_embed_max_size=384,
-            dual_attention_layers=tuple(range(13)),
-            qk_norm="rms_norm",
-        ),
+        transformer=memory_plan.SD3_MEDIUM,
         vae=dict(
             down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4,
