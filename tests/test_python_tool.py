@@ -60,38 +60,10 @@ def outside(tmp_path_factory):
     libc.syscall(248, b"user", b"agentflow", SECRET.encode(), len(SECRET), -3)  # add_key
     subprocess.run(["git", "init", "-q", str(base / "repo")], check=True)
     (base / "repo" / "gold.txt").write_text(GOLD)
-    subprocess.run(
-        [
-            "git",
-            "-C",
-            str(base / "repo"),
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-qm",
-            "gold",
-            "--allow-empty",
-        ],
-        check=True,
-    )
-    subprocess.run(["git", "-C", str(base / "repo"), "add", "gold.txt"], check=True)
-    subprocess.run(
-        [
-            "git",
-            "-C",
-            str(base / "repo"),
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-qm",
-            "gold",
-        ],
-        check=True,
-    )
+    git = ["git", "-C", str(base / "repo"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "commit", "-qm", "gold", "--allow-empty"], check=True)
+    subprocess.run([*git, "add", "gold.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "gold"], check=True)
     yield {"dir": base, "udp": udp, "tcp": tcp, "udp6": udp6, "unix": unix, "pid": os.getpid()}
     del os.environ["AGENTFLOW_SECRET"]
 
@@ -680,6 +652,19 @@ def status_uids(pid):
     return [int(uid) for uid in line.split()[1:]]
 
 
+def watched_call(code, timeout, look=lambda pid: pid):
+    """python_tool(code) in a thread while this process finds its program from outside:
+    (the call's result, look(the program's host PID) read while it runs, the sandbox processes
+    there were before)."""
+    before = set(sandbox_processes())
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(result=sandbox.python_tool(code, timeout)))
+    thread.start()
+    found = look(program_pid(before, os.getpid()))
+    thread.join()
+    return seen["result"], found, before
+
+
 @isolated
 def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state():
     """Judged from outside: the program's host uid is never 0 (a root trainer's call gets a uid
@@ -689,17 +674,8 @@ def test_the_program_is_a_host_uid_that_owns_nothing_and_changes_no_host_state()
 
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
     null = os.stat("/dev/null")
-    before = set(sandbox_processes())
-    seen = {}
-    thread = threading.Thread(
-        target=lambda: seen.update(
-            result=sandbox.python_tool("import time\ntime.sleep(3)\n" + PROBES, timeout=20)
-        )
-    )
-    thread.start()
-    uids = status_uids(program_pid(before, os.getpid()))
-    thread.join()
-    output, ok = seen["result"]
+    slow_probes = "import time\ntime.sleep(3)\n" + PROBES
+    (output, ok), uids, _ = watched_call(slow_probes, 20, status_uids)
     assert ok, output
     if os.geteuid() == 0:
         assert all(sandbox.CALL_UIDS[0] <= uid < sandbox.CALL_UIDS[1] for uid in uids), uids
@@ -760,15 +736,8 @@ STUBBORN = (
 def test_a_stubborn_program_dies_with_its_timeout_and_with_a_killed_trainer():
     """A program that tries to clear its parent-death signal, ignores signals and leaves its
     session: gone at its timeout, and gone when its trainer is SIGKILLed mid-call."""
-    before = set(sandbox_processes())
-    seen = {}
-    thread = threading.Thread(
-        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2))
-    )
-    thread.start()
-    program = program_pid(before, os.getpid())
-    thread.join()
-    assert seen["result"] == ("error: timed out after 2 s", False)
+    result, program, before = watched_call(STUBBORN, 2)
+    assert result == ("error: timed out after 2 s", False)
     assert process_state(program) == "gone"
     trainer = run_trainer(f"sandbox.python_tool({STUBBORN!r}, timeout=60)")
     program = program_pid(before, trainer.pid)
@@ -791,15 +760,8 @@ def test_the_timeout_kills_the_namespace_by_itself(monkeypatch):
         "bwrap_command",
         lambda *a: [arg for arg in command(*a) if arg != "--die-with-parent"],
     )
-    before = set(sandbox_processes())
-    seen = {}
-    thread = threading.Thread(
-        target=lambda: seen.update(result=sandbox.python_tool(STUBBORN, timeout=2))
-    )
-    thread.start()
-    program = program_pid(before, os.getpid())
-    thread.join()
-    assert seen["result"] == ("error: timed out after 2 s", False)
+    result, program, _ = watched_call(STUBBORN, 2)
+    assert result == ("error: timed out after 2 s", False)
     time.sleep(0.2)
     assert process_state(program) in ("gone", "Z")  # Z: left to a PID 1 that reaps nothing
 
