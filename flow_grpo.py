@@ -41,7 +41,7 @@ Deviations and choices (numbered; "official" = the authors' released code):
     5. (Not a deviation.) CFG: both halves go through the trained transformer with gradient, as
        the original script does (a detach of the unconditional half came and went again).
     6. Rollouts run in the training micro-batch shape (`--micro-batch` rows), so rollout and
-       training pick the same kernels and the on-policy ratio stays 1 (sampler_logprob_max_dev).
+       training pick the same kernels and the on-policy ratio stays 1 (sampler_ratio_max_dev).
     7. The sd3 preset (table in docs/flow_grpo.md) runs `--mixed-precision auto` (bf16; the original
        prefers fp16, also offered, with a GradScaler), and `--drop-zero-advantage` drops samples
        with A = 0 without padding the batch back to its size as the original does.
@@ -64,7 +64,6 @@ Sample from the trained LoRA (sd3 preset), in Python (the tests reload it the sa
     pipe("a red bicycle", num_inference_steps=40, guidance_scale=4.5).images[0].save("out.png")
 """
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -282,7 +281,7 @@ def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
     stats = {
         "clipfrac": (pg_loss2 > pg_loss1).float().mean().item(),
         "kl": kl.mean().item(),
-        "ratio_max": ratio.max().item(),
+        "ratio_dev": (ratio.detach() - 1).abs().max().item(),
     }
     return loss, logp, stats
 
@@ -392,7 +391,7 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
     # each rank a share of the chunks; the toy (which keeps every image for its metrics) runs whole
     # on each
     rank, world = (0, 1) if keep_images else (accelerator.process_index, accelerator.num_processes)
-    scores, images = [torch.zeros(0)], []
+    score_chunks, image_chunks = [torch.zeros(0)], []
     for lo in range(rank * args.eval_batch, len(prompts), world * args.eval_batch):
         batch = prompts[lo : lo + args.eval_batch]
         latents, _ = rollout(
@@ -405,13 +404,14 @@ def evaluate(task, args, velocity, sigmas, accelerator, keep_images=False):
             noise_level=0.0,
         )
         chunk = task.decode(latents[-1])
-        scores.append(score(task.reward, chunk, batch, args.reward))
+        score_chunks.append(score(task.reward, chunk, batch, args.reward))
         if keep_images:
-            images.append(chunk.cpu())
-    scores = torch.cat(gather_object([torch.cat(scores)]) if world > 1 else scores)
+            image_chunks.append(chunk.cpu())
+    my_scores = torch.cat(score_chunks)
+    scores = torch.cat(gather_object([my_scores])) if world > 1 else my_scores
     metrics = {"reward": scores.mean().item()}
+    images = torch.cat(image_chunks) if keep_images else None
     if keep_images:  # the toy: one process, all images
-        images = torch.cat(images)
         metrics |= task.accuracy(images, prompts)
         if args.eval_per_prompt > 1:
             metrics["diversity"] = digits.mean_pairwise_distance(
@@ -582,10 +582,10 @@ def train(args):
         mine_in_order = (shuffled >= my_rows.start) & (shuffled < my_rows.stop)
         my_order = shuffled[mine_in_order].to(device) - my_rows.start  # this rank's rows, shuffled
         order = my_order[advantages[my_order] != 0] if args.drop_zero_advantage else my_order
-        stat_sums, num_terms = collections.defaultdict(float), 0
         # every rank takes the same `minibatches` steps, however many of its rows are left
         minibatches = torch.tensor_split(order, args.minibatches)
         alone = accelerator.num_processes == 1
+        metrics = tracking.StepMetrics(num_updates=len(minibatches))  # each micro-batch, step j
         with phases.time("update"):
             for m, minibatch in enumerate(minibatches):
                 if alone and not len(minibatch):  # e.g. every A = 0, dropped
@@ -616,16 +616,11 @@ def train(args):
                             advantages=advantages[rows],
                             objective=objective,
                         )
-                        if m == 0:  # nothing updated yet: scores what the rollout drew
-                            gap = (logp.detach() - step_old_logp).abs().max()
-                            sampler_dev = max(sampler_dev, gap.item())
                         common.check_finite(loss, epoch)
                         # its share of the mini-batch's mean over samples and steps
                         scaled = loss * len(rows) / len(minibatch) / trained_steps
                         scaler.scale(scaled).backward()
-                        num_terms += 1
-                        for name, value in stats.items():
-                            stat_sums[name] += value
+                        metrics.add(len(rows), scaled.item(), update=m, **stats)  # ratio_dev, …
                 # the EMA steps once per micro-batch (the same count on every rank), as the
                 # original: those before the optimiser step see the weights before it
                 num_micro_batches = distributed.max_over_ranks(len(micro_batches), accelerator)
@@ -641,13 +636,14 @@ def train(args):
                 ema_update(ema, params, args.ema, optimizer_steps)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        num_terms = max(1, num_terms)
-        record = {name: total / num_terms for name, total in stat_sums.items()}
+        record = metrics.means()  # loss, clipfrac, kl, ratio_dev: max |ρ − 1|, ratio_dev_first
+        # the first update scores what the rollout drew: on-policy its ρ is exactly 1
+        sampler_dev = max(sampler_dev, record.get("ratio_dev_first", 0.0))
         record["reward"] = all_rewards.mean().item()
         record["reward_std"] = all_rewards.std().item()
         zero_var = common.zero_variance_fraction(all_rewards, args.group_size)
         record["zero_var_frac"] = zero_var
-        record["sampler_logprob_max_dev"] = sampler_dev
+        record["sampler_ratio_max_dev"] = sampler_dev
         record["trained_samples"] = len(order)
         record |= phases.seconds()  # 2, 3's decode and rewards, 4
         if epoch % args.eval_every == 0 and epoch < args.epochs:
@@ -658,7 +654,7 @@ def train(args):
         run.log(epoch, record, saved)
 
     if sampler_dev > 1e-5:
-        print(f"WARNING: training log-probs differ from the rollout's by up to {sampler_dev:.2e}")
+        print(f"WARNING: the first update's ratio ρ differs from 1 by up to {sampler_dev:.2e}")
     with swapped(params, ema):
         after, images_after = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
         if accelerator.is_main_process:
@@ -668,7 +664,7 @@ def train(args):
         **{f"{k}_before": v for k, v in before.items()},
         **task.info,
         **{f"{k}_after": v for k, v in after.items()},
-        "sampler_logprob_max_dev": sampler_dev,
+        "sampler_ratio_max_dev": sampler_dev,
     }
     if "accuracy" in before:  # the row of `make demo`'s table
         summary["claim"] = {

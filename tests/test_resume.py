@@ -56,7 +56,7 @@ def check_whole_run(script, folder):
             p.name for p in folder.iterdir()
         }
     elif script == "flow_grpo.py":
-        assert done["sampler_logprob_max_dev"] < 1e-6  # the SDE step re-scored exactly
+        assert done["sampler_ratio_max_dev"] < 1e-6  # the SDE step re-scored exactly
         assert {
             "accuracy_before",
             "accuracy_after",

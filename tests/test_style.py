@@ -126,6 +126,10 @@ def rebinding_chains(tree):
         simple = isinstance(node, ast.Assign) and len(node.targets) == 1
         return node.targets[0].id if simple and isinstance(node.targets[0], ast.Name) else None
 
+    def bound(node):  # every name an assignment sets, tuple targets included
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
     found = []
     for block in (
         getattr(n, field, None) for n in ast.walk(tree) for field in ("body", "orelse", "finalbody")
@@ -136,7 +140,7 @@ def rebinding_chains(tree):
             name = assigned(statement)
             value = ast.walk(statement.value) if name else ()
             reads = {n.id for n in value if isinstance(n, ast.Name)}
-            if name in reads and any(assigned(earlier) == name for earlier in block[:k]):
+            if name in reads and any(name in bound(earlier) for earlier in block[:k]):
                 found.append(statement.lineno)
     return found
 
@@ -175,9 +179,11 @@ def test_the_rule_finds_what_it_names():
     import ast
 
     chain = ast.parse("def f(x):\n    y = g(x)\n    z = 1\n    y = y.cpu()\n")
+    unpacked = ast.parse("def f(x):\n    y, n = g(x)\n    n = max(1, n)\n")
     renamed = ast.parse("def f(x):\n    y = g(x)\n    y_cpu = y.cpu()\n")
     crowded = ast.parse("for i in r:\n    h(1, 2, 3, 4, 5, a=6, b=7, c=8, d=9)\n")
     assert rebinding_chains(chain) == [4] and not rebinding_chains(renamed)
+    assert rebinding_chains(unpacked) == [3]
     assert crowded_calls_in_loops(crowded) == [2]
     assert not crowded_calls_in_loops(ast.parse("h(1, 2, 3, 4, 5, a=6, b=7, c=8, d=9)\n"))
 
