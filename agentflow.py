@@ -123,6 +123,9 @@ class Args:
     temperature: float = cli.arg(
         1.0, "rollout temperature (original code: 0.7; the paper's text: 0.5); eval is greedy"
     )
+    frozen_temperature: float = cli.arg(
+        -1.0, "the frozen modules' temperature in training (< 0: --temperature, as the original)"
+    )
     clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (original code: 0.2)")
     clip_eps_high: float = cli.arg(0.3, "ε_high (original code: 0.3)")
     dual_clip: float = cli.arg(0.0, "cap the loss at c·|A| where A < 0 (0 = off; original: 3)")
@@ -449,10 +452,10 @@ def evaluate(system, queries, args, accelerator=None):
     from accelerate.utils import gather_object
 
     world, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
-    system.frozen_temperature = 0.0  # every module greedy at evaluation (the original's)
     mine = queries[rank::world]  # empty on a rank past the last query
     trajectories = []
     if mine:
+        # every module greedy at evaluation (the original's): `system` as built
         trajectories = run_agent(
             mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns
         )
@@ -511,6 +514,9 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
+    # the frozen modules sample as the planner does (the original), or at --frozen-temperature
+    frozen = args.temperature if args.frozen_temperature < 0 else args.frozen_temperature
+    sampling_system = system.sampling(frozen)
     # π_old (where samples are reused) and π_ref scored once per rollout batch
     scoring = common.Scoring(
         tokenizer,
@@ -543,12 +549,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         drawn = torch.randint(num_queries, (args.queries_per_step,), generator=gen)
         picked = drawn[mine.start : mine.stop].tolist()  # this rank's queries
         queries = [system.train[i] for i in picked for _ in range(args.group_size)]
-        # generate's noise: each rank its own (one process keeps its stream)
-        if accelerator.num_processes > 1:
-            noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
-            torch.manual_seed(noise_seed)
-        system.frozen_temperature = args.temperature  # frozen modules sample as the planner does
-        trajectories = run_agent(queries, system, plan, args.max_turns)  # Eq. 2
+        distributed.seed_rank_noise(args.seed, step, accelerator)
+        trajectories = run_agent(queries, sampling_system, plan, args.max_turns)  # Eq. 2
 
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (Eqs. 4 and 7)

@@ -456,10 +456,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         task_ids = picked.repeat_interleave(args.group_size).tolist()
         entries = [world.train[i] for i in task_ids][my_rollouts]
         tokens = every_token[my_rollouts]
-        # generate's noise: each rank its own (one process keeps its stream)
-        if accelerator.num_processes > 1:
-            noise_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
-            torch.manual_seed(noise_seed)
+        distributed.seed_rank_noise(args.seed, step, accelerator)
 
         # 2. G multi-turn rollouts per task, each under its own token; R = R_state·R_action
         #    (Sec. 3.3)

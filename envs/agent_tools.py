@@ -91,7 +91,11 @@ class ToolSystem:
     hidden_files: tuple
     unsafe_python_tool: bool = False  # the user's opt-in to run model code unisolated
     gen_tokens: int = 0  # padded tokens per `generate` call (0: rows only)
-    frozen_temperature: float = 0.0  # set by the training loop and by evaluate
+    frozen_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
+
+    def sampling(self, temperature):
+        """This system with its frozen modules sampled at `temperature` (training rollouts)."""
+        return dataclasses.replace(self, frozen_temperature=temperature)
 
     def chat(self, text):
         """One user turn in the chat template. Its text (questions, tool output, model-written

@@ -97,6 +97,10 @@ class ToySystem:
     tokenizer: object
     planner: object
 
+    def sampling(self, temperature):
+        """The rule-based modules have no temperature: the same system."""
+        return self
+
     def analyse(self, queries):
         """The toy has no query analysis: its prompt's slots already are one."""
         return [""] * len(queries)

@@ -323,8 +323,7 @@ def test_the_executor_sees_the_memory_so_far(monkeypatch):
 def test_the_generate_tool_is_greedy_while_the_modules_sample(monkeypatch):
     """In training the frozen modules sample at the planner's temperature (the original's), but the
     generate tool is greedy (App. C.1: the tools' LLM engines run at temperature 0)."""
-    system = agent_tools.ToolSystem([], [], None, None, None, 1.0, 8, 8, ())
-    system.frozen_temperature = 0.7
+    system = agent_tools.ToolSystem([], [], None, None, None, 1.0, 8, 8, ()).sampling(0.7)
     used = []
 
     def frozen(self, prompts, module, temperature=None):
@@ -371,8 +370,8 @@ def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch
 
     monkeypatch.setattr(agent_tools.ToolSystem, "frozen", frozen)
     plan = agentflow.planner_sampler(system, 1.0, args)
-    system.frozen_temperature = args.temperature
-    (trajectory,) = agentflow.run_agent(system.train[:1], system, plan, 3)
+    training_system = system.sampling(args.temperature)
+    (trajectory,) = agentflow.run_agent(system.train[:1], training_system, plan, 3)
     prompt = trajectory["turns"][0]["prompt"]
     assert "Query analysis: ANALYSIS-0" in prompt and "step 1 of at most 3" in prompt
     assert set(temperatures) == {0.7}

@@ -56,6 +56,13 @@ def sampling_seed(seed, step, stream):
     return ((seed * 1_000_003 + step) * 100_003 + stream) % 2**63
 
 
+def seed_rank_noise(seed, step, accelerator):
+    """Each rank its own sampling noise for this step (`generate` draws from torch's global
+    generator), from (seed, step, rank); one process keeps its single stream."""
+    if accelerator.num_processes > 1:
+        torch.manual_seed(sampling_seed(seed, step, accelerator.process_index))
+
+
 def row_seeds(group_seeds, group_size):
     """A seed per row of each group: group seed × 1 000 + row, kept below 2⁶³ as the group seeds
     are (a torch seed is 64-bit; a group seed from a large --seed would overflow it). Below

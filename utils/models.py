@@ -10,6 +10,7 @@ add_lora                          the one LoRA wrapper every script uses (peft)
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -213,7 +214,9 @@ def add_lora(model, rank, alpha=None):
     config = LoraConfig(
         r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads a transformers property deprecated in v5
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        return get_peft_model(model, config)
 
 
 def check_master_weights(model):
