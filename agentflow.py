@@ -123,9 +123,6 @@ class Args:
     temperature: float = cli.arg(
         1.0, "rollout temperature (original code: 0.7; the paper's text: 0.5); eval is greedy"
     )
-    frozen_temperature: float = cli.arg(
-        -1.0, "the frozen modules' temperature in training (< 0: --temperature, as the original)"
-    )
     clip_eps: float = cli.arg(0.2, "ε_low of the ratio clip (original code: 0.2)")
     clip_eps_high: float = cli.arg(0.3, "ε_high (original code: 0.3)")
     dual_clip: float = cli.arg(0.0, "cap the loss at c·|A| where A < 0 (0 = off; original: 3)")
@@ -317,16 +314,17 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, to
     return loss, stats
 
 
-def turn_minibatches(num_rows, args, *, step, accelerator):
+def turn_minibatches(num_rows, minibatch_rows, *, seed, step, accelerator):
     """This rank's turn rows in a random order (from (seed, step, rank)), cut into mini-batches of
-    --minibatch-rows / N rows as the original code cuts its shuffled batch, so a step takes about
-    Σ T_i / 64 optimiser steps. Every rank takes the same number (one all-reduce of the max): a rank
-    that runs out takes empty mini-batches, which add zero gradient to the ranks' mean."""
-    rows_per_rank = max(1, args.minibatch_rows // accelerator.num_processes or num_rows)
+    `minibatch_rows` / N rows (0: one mini-batch) as the original code cuts its shuffled batch, so a
+    step takes about Σ T_i / 64 optimiser steps. Every rank takes the same number (one all-reduce of
+    the max): a rank that runs out takes empty mini-batches, which add zero gradient to the ranks'
+    mean."""
+    rows_per_rank = max(1, minibatch_rows // accelerator.num_processes or num_rows)
     my_count = -(-num_rows // rows_per_rank)  # ⌈rows / rows per mini-batch⌉
     count = distributed.max_over_ranks(my_count, accelerator)
-    seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    order_seed = distributed.sampling_seed(seed, step, accelerator.process_index)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(order_seed)).tolist()
     return [order[m * rows_per_rank : (m + 1) * rows_per_rank] for m in range(count)]
 
 
@@ -514,9 +512,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.queries_per_step, accelerator)
     plan = planner_sampler(system, args.temperature, args)
-    # the frozen modules sample as the planner does (the original), or at --frozen-temperature
-    frozen = args.temperature if args.frozen_temperature < 0 else args.frozen_temperature
-    sampling_system = system.sampling(frozen)
+    sampling_system = system.sampling(args.temperature)  # frozen modules sample as the planner does
     # π_old (where samples are reused) and π_ref scored once per rollout batch
     scoring = common.Scoring(
         tokenizer,
@@ -575,7 +571,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
         minibatch_rows = turn_minibatches(
-            len(trained_turns), args, step=step, accelerator=accelerator
+            len(trained_turns),
+            args.minibatch_rows,
+            seed=args.seed,
+            step=step,
+            accelerator=accelerator,
         )
         # else on-policy: π_old = logp.detach()
         reused = args.inner_steps > 1 or len(minibatch_rows) > 1
@@ -686,8 +686,10 @@ def train(args):
             "tool_error_rate": after.get("tool_error_rate"),
             "credit": args.credit,
             "sampler_logprob_max_dev": sampler_dev,
-            # the gate on the start: the warm-started planner's sampled success in step 1
+            # the start: the warm-started planner's sampled success in step 1, and its share of
+            # flat groups (1.0: nothing to learn from)
             "start_reward": run.records[0]["reward"] if run.records else None,
+            "start_zero_var_frac": run.records[0]["zero_var_frac"] if run.records else None,
         }
     )
     if test:  # the row of `make demo`'s table, and one rollout before and after

@@ -579,16 +579,14 @@ def train(args):
         # 4. `minibatches` optimiser steps, each over all trained steps of its
         #    samples: the clipped objective (Eq. 5) at every trained step j
         shuffled = torch.randperm(rollouts_per_epoch, generator=gen)
-        mine_in_order = (shuffled >= my_rows.start) & (shuffled < my_rows.stop)
-        my_order = shuffled[mine_in_order].to(device) - my_rows.start  # this rank's rows, shuffled
+        my_order = distributed.rows_in_order(shuffled, my_rows).to(device)  # this rank's, shuffled
         order = my_order[advantages[my_order] != 0] if args.drop_zero_advantage else my_order
         # every rank takes the same `minibatches` steps, however many of its rows are left
         minibatches = torch.tensor_split(order, args.minibatches)
-        alone = accelerator.num_processes == 1
         metrics = tracking.StepMetrics(num_updates=len(minibatches))  # each micro-batch, step j
         with phases.time("update"):
             for m, minibatch in enumerate(minibatches):
-                if alone and not len(minibatch):  # e.g. every A = 0, dropped
+                if not len(minibatch) and accelerator.num_processes == 1:  # e.g. all A = 0
                     continue
                 optimizer.zero_grad()
                 micro_batches = minibatch.split(micro_rows)

@@ -425,18 +425,17 @@ def rollout_batches(args, num_prompts):
     return args.total_epochs * per_epoch if args.total_epochs else args.steps
 
 
-def draw_prompts(step, num_prompts, args, gen):
-    """The B prompt indices of rollout batch `step` (1, 2, …): uniform draws with replacement from
-    `gen` (--sampling replacement), or the step's slice of its pass's random order, each prompt
-    once per pass (--sampling shuffle, as the original's shuffled loader). A pass's order is
-    recomputed from (seed, pass), so a resumed run continues it."""
-    if args.sampling == "replacement":
-        return torch.randint(num_prompts, (args.prompts_per_step,), generator=gen)
-    per_epoch = num_prompts // args.prompts_per_step
-    epoch, batch = divmod(step - 1, per_epoch)
-    order_seed = (args.seed * 1_000_003 + epoch) % 2**63
+def draw_prompts(step, num_prompts, *, per_step, sampling, seed, gen):
+    """The `per_step` prompt indices of rollout batch `step` (1, 2, …): uniform draws with
+    replacement from `gen` (sampling "replacement"), or the step's slice of its pass's random
+    order, each prompt once per pass ("shuffle", as the original's shuffled loader). A pass's order
+    is recomputed from (seed, pass), so a resumed run continues it."""
+    if sampling == "replacement":
+        return torch.randint(num_prompts, (per_step,), generator=gen)
+    epoch, batch = divmod(step - 1, num_prompts // per_step)
+    order_seed = (seed * 1_000_003 + epoch) % 2**63
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(order_seed))
-    return order[batch * args.prompts_per_step : (batch + 1) * args.prompts_per_step]
+    return order[batch * per_step : (batch + 1) * per_step]
 
 
 def validate(args):
@@ -539,7 +538,14 @@ def train(args):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         with phases.time("rollout"):
-            drawn = draw_prompts(step, num_prompts, args, gen)
+            drawn = draw_prompts(
+                step,
+                num_prompts,
+                per_step=args.prompts_per_step,
+                sampling=args.sampling,
+                seed=args.seed,
+                gen=gen,
+            )
             picked = drawn[mine.start : mine.stop].tolist()  # this rank's groups
             seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
             group_prompts = [task.prompts[i] for i in picked]

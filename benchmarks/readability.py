@@ -3,9 +3,12 @@ training loop (the `for step`/`for epoch` loop), against the rules docs/testing.
 
 Per part: lines, characters per non-blank line (indentation included), the share of lines of 95 or
 more columns, and calls per simple statement (ast.Call nodes inside statements that hold no block).
+Then each notebook: its cells, its prose in words (a markdown line is no unit: a paragraph may sit
+on one line or on ten) and its code lines.
 """
 
 import ast
+import json
 import sys
 from pathlib import Path
 
@@ -78,6 +81,17 @@ def main():
             f"| `{name}` | {f['lines']} | {f['chars_per_line']:.1f} | {f['share_ge_95']:.0%} | "
             f"{f['calls_per_statement']:.2f} | {loop['lines']} | {loop['chars_per_line']:.1f} | "
             f"{loop['share_ge_95']:.0%} | {loop['calls_per_statement']:.2f} |"
+        )
+    print("\n| notebook | cells (markdown / code) | prose words | code lines |\n|---|---|---|---|")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        prose = [c for c in cells if c["cell_type"] == "markdown"]
+        code = [c for c in cells if c["cell_type"] == "code"]
+        words = sum(len("".join(c["source"]).split()) for c in prose)
+        code_lines = sum(len("".join(c["source"]).splitlines()) for c in code)
+        print(
+            f"| `{path.name}` | {len(cells)} ({len(prose)} / {len(code)}) | {words} "
+            f"| {code_lines} |"
         )
 
 

@@ -217,10 +217,11 @@ def plot_accuracy_comparison(start, records, other_records, name, other, path):
 
 def sweep_row(summaries):
     """One seed of the sweep: held-out accuracy before, after broadcast and after final-turn
-    credit, and the start's sampled success."""
+    credit, and the start's sampled success and share of flat groups."""
     s = summaries[""]
     return {
         "start_reward": s["start_reward"],
+        "start_zero_var": s["start_zero_var_frac"],
         "accuracy_before": s["accuracy_before"],
         "broadcast": s["accuracy_after"],
         "final_turn": s["accuracy_final_turn_credit"],

@@ -49,13 +49,16 @@ def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
     class OneProcess:
         num_processes, process_index = 1, 0
 
-    args = agentflow.Args(minibatch_rows=4)
-    parts = agentflow.turn_minibatches(10, args, step=1, accelerator=OneProcess())
+    def cut(rows_per_minibatch, step):
+        return agentflow.turn_minibatches(
+            10, rows_per_minibatch, seed=0, step=step, accelerator=OneProcess()
+        )
+
+    parts = cut(4, step=1)
     assert [len(p) for p in parts] == [4, 4, 2]
     assert sorted(sum(parts, [])) == list(range(10)) and sum(parts, []) != list(range(10))
-    assert parts == agentflow.turn_minibatches(10, args, step=1, accelerator=OneProcess())
-    assert parts != agentflow.turn_minibatches(10, args, step=2, accelerator=OneProcess())
-    whole = agentflow.turn_minibatches(10, agentflow.Args(), step=1, accelerator=OneProcess())
+    assert parts == cut(4, step=1) and parts != cut(4, step=2)
+    whole = cut(0, step=1)
     assert [len(p) for p in whole] == [10]
 
 

@@ -363,23 +363,34 @@ def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
     once per pass (a last partial batch dropped), recomputed from (seed, pass) without the rollout
     generator (a resumed run continues it); --total-epochs E makes E·⌊prompts/B⌋ rollout batches.
     --sampling replacement (the toys) is torch.randint on the rollout generator, as before."""
+
+    def draw(step, num_prompts, args, gen):
+        return flowrl.draw_prompts(
+            step,
+            num_prompts,
+            per_step=args.prompts_per_step,
+            sampling=args.sampling,
+            seed=args.seed,
+            gen=gen,
+        )
+
     args = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2)
     assert flowrl.rollout_batches(args, 10) == 4  # two passes of ⌊10/4⌋ = 2 batches
     gen = torch.Generator().manual_seed(0)
     state = gen.get_state()
-    draws = [flowrl.draw_prompts(step, 10, args, gen).tolist() for step in range(1, 5)]
+    draws = [draw(step, 10, args, gen).tolist() for step in range(1, 5)]
     assert torch.equal(gen.get_state(), state)
     for one_pass in (draws[:2], draws[2:]):
         seen = one_pass[0] + one_pass[1]
         assert len(set(seen)) == 8 and set(seen) <= set(range(10))
     assert draws[:2] != draws[2:]
-    assert flowrl.draw_prompts(3, 10, args, torch.Generator()).tolist() == draws[2]
+    assert draw(3, 10, args, torch.Generator()).tolist() == draws[2]
     seed_1 = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2, seed=1)
-    assert [flowrl.draw_prompts(s, 10, seed_1, gen).tolist() for s in (1, 2)] != draws[:2]
+    assert [draw(s, 10, seed_1, gen).tolist() for s in (1, 2)] != draws[:2]
     with pytest.raises(SystemExit, match="more than the 3 prompts"):
         flowrl.rollout_batches(args, 3)
     toy = flowrl.Args()
-    drawn = flowrl.draw_prompts(1, 10, toy, torch.Generator().manual_seed(3))
+    drawn = draw(1, 10, toy, torch.Generator().manual_seed(3))
     generator = torch.Generator().manual_seed(3)
     expected = torch.randint(10, (toy.prompts_per_step,), generator=generator)
     assert torch.equal(drawn, expected) and flowrl.rollout_batches(toy, 10) == toy.steps

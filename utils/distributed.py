@@ -140,6 +140,13 @@ def average_gradients(params, accelerator):
         p.grad /= accelerator.num_processes
 
 
+def rows_in_order(order, my_rows):
+    """The rows of `order` (a permutation every rank shares) that fall in this rank's block
+    `my_rows` (a slice), in that order and counted from the block's start."""
+    mine = (order >= my_rows.start) & (order < my_rows.stop)
+    return order[mine] - my_rows.start
+
+
 def max_over_ranks(count, accelerator):
     """The largest `count` any rank holds (one all-reduce), so every rank runs the same number of
     a phase's steps. `count` itself in one process."""
