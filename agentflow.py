@@ -73,8 +73,8 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py --seeds 0-4   # the same on five seeds, one table (the figures above are
                                       # its means, docs/agentflow.md)
 Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 21 min a seed on 2 cores):
-    python agentflow.py --preset smollm2-lookup --no-ablation  # measured with an earlier,
-                                            # sampling `generate` tool; not re-measured (docs)
+    python agentflow.py --preset smollm2-lookup --no-ablation  # not yet learning on every
+                                            # seed: seed 7's first groups are all flat (docs)
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
