@@ -570,7 +570,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         sampler_logps = [turn["old_logp"] for turn, _ in trained_turns]
         advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
-        minibatch_rows = turn_minibatches(
+        minibatch_indices = turn_minibatches(
             len(trained_turns),
             args.minibatch_rows,
             seed=args.seed,
@@ -578,7 +578,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
             accelerator=accelerator,
         )
         # else on-policy: π_old = logp.detach()
-        reused = args.inner_steps > 1 or len(minibatch_rows) > 1
+        reused = args.inner_steps > 1 or len(minibatch_indices) > 1
         minibatches = [
             common.scored_micro_batches(
                 prompts,
@@ -588,7 +588,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                 rows=rows,
                 with_old=reused,
             )
-            for rows in minibatch_rows
+            for rows in minibatch_indices
         ]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
 
