@@ -581,13 +581,16 @@ def train(args):
         shuffled = torch.randperm(rollouts_per_epoch, generator=gen)
         my_order = distributed.rows_in_order(shuffled, my_rows).to(device)  # this rank's, shuffled
         order = my_order[advantages[my_order] != 0] if args.drop_zero_advantage else my_order
-        # every rank takes the same `minibatches` steps, however many of its rows are left
-        minibatches = torch.tensor_split(order, args.minibatches)
+        # every rank takes the same `minibatches` steps, however many of its rows are left; one
+        # process skips an empty one (e.g. every A = 0, dropped)
+        minibatches = [
+            minibatch
+            for minibatch in torch.tensor_split(order, args.minibatches)
+            if len(minibatch) or accelerator.num_processes > 1
+        ]
         metrics = tracking.StepMetrics(num_updates=len(minibatches))  # each micro-batch, step j
         with phases.time("update"):
             for m, minibatch in enumerate(minibatches):
-                if not len(minibatch) and accelerator.num_processes == 1:  # e.g. all A = 0
-                    continue
                 optimizer.zero_grad()
                 micro_batches = minibatch.split(micro_rows)
                 for rows in micro_batches:
