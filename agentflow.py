@@ -432,14 +432,20 @@ def warm_start(system, demos, args):
             pairs[k]
             for k in torch.randint(len(pairs), (min(32, len(pairs)),), generator=gen).tolist()
         ]
+        prompts = [p for p, _ in batch]
         completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
-        ids, attn, mask = common.pack_completions(
-            tokenizer, [p for p, _ in batch], completions, planner.device
-        )
-        logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
-        loss = -common.masked_mean(logp, mask)
+        token_count = sum(map(len, completions))
         optimizer.zero_grad()
-        loss.backward()
+        # the batch's token-mean NLL, accumulated over --micro-batch-tokens micro-batches
+        for rows in common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens):
+            ids, attn, mask = common.pack_completions(
+                tokenizer,
+                [prompts[r] for r in rows],
+                [completions[r] for r in rows],
+                planner.device,
+            )
+            logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
+            (-(logp * mask).sum() / token_count).backward()
         optimizer.step()
 
 
