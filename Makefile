@@ -81,16 +81,16 @@ gpu-wheels:
 		printf "checkout %.1f MiB + wheels %.1f MiB = %.1f MiB of %d MiB\n", c / 2^20, w / 2^20, t, max; \
 		if (t > max) { print "error: over the limit: carry less" > "/dev/stderr"; exit 1 } }'
 
-# The GPU check's code on this CPU with the GPU machine's versions, so a version break shows here.
-# torch 2.11.0 is published for CPUs only on PyTorch's own index, which is not reachable from the
-# development machines (the registry's 2.11.0 is the multi-GB CUDA build): this uses the torch on
-# local disk (2.13.0, CPU) with transformers 5.17.0 and accelerate 1.15.0, tokenizers 0.23.2 and
-# huggingface_hub 1.33.0 as on that machine, and nothing else of requirements.txt: the wheels of
-# `make gpu-wheels` enter as they do there (gpu_check.sh).
+# The GPU check's code on this CPU with the GPU machine's versions, so a version break shows here:
+# torch 2.11.0 as the registry publishes it (the CUDA 13 build, as on that machine: about 3 GB to
+# download, 5 GB in the venv; it runs on a CPU), transformers 5.17.0, accelerate 1.15.0,
+# tokenizers 0.23.2 and huggingface_hub 1.33.0, and nothing else of requirements.txt: the wheels of
+# `make gpu-wheels` enter as they do there (gpu_check.sh). Python is this machine's (3.11 here,
+# 3.12 there).
 REHEARSAL := .venv-rehearsal
 $(REHEARSAL)/.installed:
 	$(PYTHON) -m venv $(REHEARSAL)
-	$(REHEARSAL)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
+	$(REHEARSAL)/bin/python -m pip install -q --disable-pip-version-check torch==2.11.0 \
 		transformers==5.17.0 accelerate==1.15.0 tokenizers==0.23.2 huggingface_hub==1.33.0 \
 		safetensors==0.8.0 peft==0.21.2 numpy==2.4.6 matplotlib==3.11.2 tensorboard==2.21.0 \
 		pytest==9.2.0 sympy pandas pillow regex requests tqdm

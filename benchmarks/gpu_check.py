@@ -36,6 +36,7 @@ import gc
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,9 @@ import flow_grpo  # noqa: E402
 import flowrl  # noqa: E402
 import memory_plan  # noqa: E402
 import rc_grpo  # noqa: E402
+from envs import bfcl  # noqa: E402
 from memory_plan import (  # noqa: E402
+    fsdp_plan,
     full_plan,
     in_gib,
     kv_bytes_per_token,
@@ -85,19 +88,7 @@ QWEN = {  # the published configs (memory_plan.QWEN), and a tiny one for --tiny
 SD3 = {  # SD3.5-Medium's transformer and VAE as published; its text encoders cut to one layer
     "sd3.5-medium": dict(
         transformer=memory_plan.SD3_MEDIUM,
-        vae=dict(
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2,
-            latent_channels=16,
-            norm_num_groups=32,
-            sample_size=1024,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
+        vae=memory_plan.SD3_VAE,
         clip_widths=(768, 1280),
         t5_width=4096,
     ),
@@ -251,6 +242,26 @@ def random_weights(device, llm=None, sd3=None, eos_hazard=None):
                 StableDiffusion3Pipeline,
                 lambda path, dtype, **kwargs: sd3_pipeline(sd3, device, dtype, folder),
             )
+        yield counts
+
+
+@contextlib.contextmanager
+def calling_model(mean_steps, seed=0):
+    """For the `with` block, each output of the random model decodes (`bfcl.decode_calls`) to one
+    call with probability 1 − 1/mean_steps, so a user turn takes `mean_steps` model steps on average
+    and a later step's prompt holds the earlier steps' exchanges, as the trained model's do. The
+    call names no function of the entry's: the backend answers with its one-line error. Yields
+    {"steps": model outputs decoded, "turn_ends": those that called nothing}."""
+    rng = random.Random(seed)
+    counts = {"steps": 0, "turn_ends": 0}
+
+    def decode(text):
+        calls = [("gpu_check_step", [], {})] if rng.random() < 1 - 1 / mean_steps else []
+        counts["steps"] += 1
+        counts["turn_ends"] += not calls
+        return calls
+
+    with mock.patch.object(bfcl, "decode_calls", decode):
         yield counts
 
 
@@ -450,15 +461,14 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         "fsdp_units": units,
         "max_new_tokens": new_tokens,
     }
-    if not fsdp:
-        plan = full_plan(
-            config,
-            gen_rows=8 * rows,
-            prompt_tokens=max(lengths) + 10,
-            new_tokens=new_tokens,
-            micro_batch_tokens=micro_batch_tokens,
-        )
-        result["plan_total_gib"] = max(in_gib(phase)["total"] for phase in plan.values())
+    shape = dict(
+        gen_rows=8 * rows,
+        prompt_tokens=max(lengths) + 10,
+        new_tokens=new_tokens,
+        micro_batch_tokens=micro_batch_tokens,
+    )
+    plan = fsdp_plan(config, 1, **shape) if fsdp else full_plan(config, **shape)
+    result["plan_gib"] = {phase: in_gib(terms)["total"] for phase, terms in plan.items()}
     passes = flowrl.PRESETS[preset].get("inner_steps", flowrl.Args.inner_steps)
     result |= figures(record, peaks, update_flops(config, record, passes, lora=False), device)
     decode_steps = peaks["decode_steps"]
@@ -511,14 +521,15 @@ def flowrl_fsdp_job(tiny, device, out_dir):
 def rc_grpo_job(tiny, device, out_dir):
     """rc_grpo.py --preset bfcl (Qwen2.5-7B + LoRA r 64, the real BFCL v4 entries with bfcl-eval's
     system prompt and every function's docs; stage 1, stage 2; the policy not saved) on 2
-    train and 2 test tasks, their first two user turns (the second turn's prompts hold the first
-    turn's exchange: a history of model steps), one RCTP-FT epoch, 2 tasks per step (the preset:
-    16 and every turn). The random model calls no function, so each turn is one model step (the
-    preset's: up to 20); its 10 rows of ≈ 3k words per `generate` call stay far below the preset's
-    262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions stop at EOS
-    with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL answer is a call
-    list of tens of tokens; an assumption, not measured on the real model), so a `generate` call
-    runs until its longest row stops."""
+    train and 2 test tasks, their first user turn, one RCTP-FT epoch, 2 tasks per step (the preset:
+    16 and every turn). The random model's outputs decode to a call as often as BFCL's ground truth
+    calls (`calling_model`: 2.39 model steps per user turn on average, up to the preset's 20), so a
+    step's prompt holds the turn's steps so far (24 `generate` calls in all: 20 for two turns of
+    one step each); its 10 rows of ≈ 3k words per `generate` call stay far below the
+    preset's 262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions stop
+    at EOS with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL answer
+    is a call list of tens of tokens; an assumption, not measured on the real model), so a
+    `generate` call runs until its longest row stops."""
     config, new_tokens, extra = QWEN["qwen2.5-7b"], rc_grpo.PRESETS["bfcl"]["max_new_tokens"], []
     if tiny:
         config, new_tokens = QWEN["tiny"], 8
@@ -542,7 +553,7 @@ def rc_grpo_job(tiny, device, out_dir):
         "--max-tasks",
         "2",
         "--max-turns",
-        "2",
+        "1",
         "--steps",
         "2",
         "--tasks-per-step",
@@ -551,14 +562,23 @@ def rc_grpo_job(tiny, device, out_dir):
         "1",
         *extra,
     ]
-    with random_weights(device, llm=config, eos_hazard=8 / new_tokens), no_policy_written():
+    # BFCL's ground truth: 1.39 calls per user turn over its 800 entries, one per model step, then
+    # the step that calls nothing and ends the turn
+    truth = [len(turn) for entry in bfcl.load_bfcl_entries() for turn in entry["ground_truth"]]
+    with (
+        random_weights(device, llm=config, eos_hazard=8 / new_tokens),
+        no_policy_written(),
+        calling_model(1 + sum(truth) / len(truth)) as steps,
+    ):
         record, peaks = second_step(
             rc_grpo, argv, Path(out_dir) / "run", device, metrics="rctp+rc-grpo/metrics.jsonl"
         )
     params, _ = param_counts(config)
-    return {"job": "rc_grpo --preset bfcl", "params": params} | figures(
-        record, peaks, update_flops(config, record, 1, lora=True), device
-    )
+    return {
+        "job": "rc_grpo --preset bfcl",
+        "params": params,
+        "model_steps_per_user_turn": round(steps["steps"] / max(1, steps["turn_ends"]), 2),
+    } | figures(record, peaks, update_flops(config, record, 1, lora=True), device)
 
 
 def flow_grpo_job(tiny, device, out_dir):

@@ -68,6 +68,19 @@ SD3_MEDIUM = dict(
     dual_attention_layers=tuple(range(13)),
     qk_norm="rms_norm",
 )
+SD3_VAE = dict(  # SD3.5-Medium's VAE (diffusers AutoencoderKL keyword arguments)
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=1.5305,
+    shift_factor=0.0609,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
 # Parameters: the transformer and its LoRA r 32 on SD3_LORA_TARGETS (envs/sd3.py), counted from
 # SD3_MEDIUM built on the meta device with diffusers 0.42; the other parts' published sizes: CLIP-L
 # and CLIP-G with projections, T5-XXL's encoder, the 16-channel VAE, PickScore (a CLIP-H/14)
@@ -706,6 +719,30 @@ def measure_sd3(shape):
     return compared({"update": plan}, {"update": measured})
 
 
+def measure_sd3_decode(shape):
+    """flow_grpo --preset sd3's rollout peak: `SD3Task.decode` (fp32, no gradients) of `rows`
+    latents through SD3's VAE with its channels cut to `channels` (published: 128), tracked."""
+    import types
+
+    from diffusers import AutoencoderKL
+
+    from envs.sd3 import SD3Task
+
+    torch.manual_seed(0)
+    width = shape["channels"]
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        **SD3_VAE | dict(block_out_channels=(width, 2 * width, 4 * width, 4 * width)),
+    )
+    task = types.SimpleNamespace(pipe=types.SimpleNamespace(vae=vae))
+    latents = torch.randn(shape["rows"], SD3_VAE["latent_channels"], shape["side"], shape["side"])
+    measured = tracked(lambda: SD3Task.decode(task, latents), vae)
+    params = sum(p.numel() for p in vae.parameters())
+    plan = {"vae_fp32": 4 * params} | sd3_decode_terms(width, shape["rows"], 8 * shape["side"])
+    return compared({"rollout": plan}, {"rollout": measured})
+
+
 # Scaled shapes: Qwen2 configs of other widths, depths, vocabularies and ties than the ones the
 # coefficients were read at, prompts of mixed lengths (padding, so the mask), two micro-batches
 # per mini-batch (the second runs with the first's gradients held); for FSDP, a step whose weights
@@ -758,6 +795,7 @@ SHAPES = {
     ),
 }
 SD3_SHAPE = dict(heads=3, head_dim=32, blocks=3, side=24, text_tokens=30, rows=3)
+SD3_DECODE_SHAPE = dict(channels=64, side=12, rows=3)  # 96 px images
 
 
 def scaled_checks():
@@ -769,6 +807,7 @@ def scaled_checks():
         "agentflow full: 1 adapter (b, short)": measure_lora(SCALED["b"], SHAPES["short"], 8, 1),
         "flowrl full-7b: fsdp, 2 ranks (b, weights)": measure_fsdp(SCALED["b"], SHAPES["weights"]),
         "flow_grpo sd3: width 96, 3 blocks, 144 + 30 tokens": measure_sd3(SD3_SHAPE),
+        "flow_grpo sd3: VAE decode, width 64, 96 px": measure_sd3_decode(SD3_DECODE_SHAPE),
     }
 
 
@@ -864,12 +903,25 @@ def sd3_update_terms(width, blocks, forward_rows, image_tokens, text_tokens):
     }
 
 
+# SD3's VAE decoding in fp32 without gradients: bytes per image pixel per unit of the first block's
+# width (the published 128), read off MemTracker's peaks (`measure_sd3_decode`): 24.0 at widths 32
+# and 64, 64–256 px, 1–4 images (six fp32 tensors of that width at full resolution at once).
+VAE_DECODE_BYTES = 24
+
+
+def sd3_decode_terms(width, rows, side):
+    """`SD3Task.decode` of one chunk of `rows` images of side × side pixels."""
+    return {"vae_decode": VAE_DECODE_BYTES * rows * side**2 * width}
+
+
 def sd3_plan(preset, resolution=512):
-    """flow_grpo --preset sd3 (SD3.5-Medium + LoRA, envs/sd3.py), its update: the transformer and
-    text encoders in bf16, the VAE in fp32 (it decodes in fp32), PickScore in fp32, the LoRA adapter
-    in fp32 with its gradients, AdamW moments and EMA copy, and one trained step of a micro-batch
-    (image tokens (resolution / 16)², text tokens 77 CLIP + 128 T5). Not planned: the VAE's decode
-    of 8 images in fp32 (the prepare phase), and SDPA's workspace on a GPU."""
+    """flow_grpo --preset sd3 (SD3.5-Medium + LoRA, envs/sd3.py): the transformer and text
+    encoders in bf16, the VAE in fp32 (it decodes in fp32), PickScore in fp32, the LoRA adapter in
+    fp32 with its gradients, AdamW moments and EMA copy. The rollout's peak is the VAE decoding a
+    chunk of DECODE_CHUNK images (`SD3Task.decode`), the update's one trained step of a
+    micro-batch (image tokens (resolution / 16)², text tokens 77 CLIP + 128 T5). Not planned: the
+    sampling's no-grad transformer forward (one block's activations at a time, below the decode),
+    SDPA's workspace on a GPU."""
     adapter = SD3_LORA_R32 * preset["lora_rank"] // 32
     state = {
         "transformer_bf16": 2 * SD3_TRANSFORMER,
@@ -886,7 +938,10 @@ def sd3_plan(preset, resolution=512):
         (resolution // 16) ** 2,
         77 + 128,
     )
-    return {"update": state | step}
+    from envs.sd3 import DECODE_CHUNK
+
+    decode = sd3_decode_terms(SD3_VAE["block_out_channels"][0], DECODE_CHUNK, resolution)
+    return {"rollout": state | decode, "update": state | step}
 
 
 def fits(plans, card_gib):

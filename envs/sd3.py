@@ -114,6 +114,9 @@ def weight_dtype(mixed_precision, device):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
+DECODE_CHUNK = 8  # images the VAE decodes at once
+
+
 class SD3Task:
     """StableDiffusion3Pipeline + peft LoRA on the attention projections; π_ref = the adapter
     disabled. Text embeddings are computed once per batch (T5 length 128, official); the VAE decodes
@@ -201,9 +204,9 @@ class SD3Task:
         return tuple(e.expand(n, *e.shape[1:]) for e in self.empty_embeds)
 
     @torch.no_grad()
-    def decode(self, latents, chunk=8):
-        """Latents -> images in [0, 1], `chunk` at a time (fp32 activations at 512 px are ~0.8 GiB
-        per image; the original code decodes 8 at a time too)."""
+    def decode(self, latents, chunk=DECODE_CHUNK):
+        """Latents -> images in [0, 1], `chunk` at a time (fp32 activations at 512 px are 0.75 GiB
+        per image: benchmarks/memory_plan.py; the original code decodes 8 at a time too)."""
         vae = self.pipe.vae
         latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
         images = [vae.decode(part, return_dict=False)[0].float() for part in latents.split(chunk)]
