@@ -177,6 +177,23 @@ def toy_world():
     return world
 
 
+def test_the_warm_start_step_is_the_same_in_any_micro_batches(monkeypatch):
+    """The warm start's token budget bounds memory, not the step: one row per micro-batch gives
+    the weights one whole batch gives (under SGD, which, unlike AdamW, a mis-scaled loss moves)."""
+    monkeypatch.setattr(torch.optim, "AdamW", torch.optim.SGD)
+    weights = []
+    for budget in ["4096", "8"]:
+        argv = ["--quiet", "--warm-start-steps", "2", "--micro-batch-tokens", budget]
+        args = cli.parse_args(agentflow.Args, agentflow.PRESETS, argv)
+        world = agent_toy.build_toy(args, torch.device("cpu"))
+        before = {k: v.clone() for k, v in world.planner.state_dict().items()}
+        agentflow.warm_start(world, world.train[: args.warm_start_demos], args)
+        weights.append(world.planner.state_dict())
+    assert any(not torch.equal(before[k], weights[0][k]) for k in before)  # it trained
+    for k in before:
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-5, atol=1e-7)
+
+
 def two_step_query(world):
     return next(q for q in world.test if len(q["shape"]) == 3)
 
@@ -289,22 +306,31 @@ def test_plan_parser_reads_the_official_fields_in_any_case():
             system.parse_plan(bad)
 
 
-def test_warm_start_demonstrations_hold_exact_tool_shares_on_every_seed(monkeypatch):
-    """Half the demonstrations careless (`generate`), the rest python and retrieve in turn: no seed
-    is left without the one tool that answers the lookup task."""
+def test_warm_start_demonstrates_one_tool_mix_on_every_query(monkeypatch):
+    """Each query is demonstrated with the same mix (half careless `generate`, the rest python and
+    retrieve in turn), so the warm-started planner's tool does not depend on the question and a
+    group's rollouts can differ; an odd remainder goes to a seeded specialised tool."""
     tokenizer = type("Tokenizer", (), {"eos_token": "</s>"})()
     system = agent_tools.ToolSystem([], [], tokenizer, None, None, 1.0, 8, 8, ())
     monkeypatch.setattr(agent_tools.ToolSystem, "analyse", lambda self, qs: ["a"] * len(qs))
     monkeypatch.setattr(agent_tools.ToolSystem, "planner_prompt", lambda self, q, *_: q["question"])
     queries = [{"question": f"q{k}"} for k in range(8)]
-    orders = set()
+    per_query = agent_tools.DEMOS_PER_QUERY
     for seed in range(5):
-        pairs = system.demonstrations(queries, random.Random(seed), 0.5, agentflow.Memory, 2)
-        tools = [completion.split("Tool: ")[1].removesuffix("</s>") for _, completion in pairs]
-        assert sorted(tools) == ["generate"] * 4 + ["python"] * 2 + ["retrieve"] * 2
-        assert [prompt for prompt, _ in pairs] == [q["question"] for q in queries]
-        orders.add(tuple(tools))
-    assert len(orders) > 1  # the seed decides which query gets which tool
+        for careless, mix in [(0.5, ["generate"] * 2 + ["python", "retrieve"]), (0.75, None)]:
+            pairs = system.demonstrations(
+                queries, random.Random(seed), careless, agentflow.Memory, 2
+            )
+            assert [prompt for prompt, _ in pairs] == [
+                q["question"] for q in queries for _ in range(per_query)
+            ]
+            tools = [completion.split("Tool: ")[1].removesuffix("</s>") for _, completion in pairs]
+            by_query = [sorted(tools[k : k + per_query]) for k in range(0, len(tools), per_query)]
+            if mix:
+                assert by_query == [mix] * len(queries)
+            else:  # 3 careless and one specialised tool per query, both tools somewhere
+                assert all(t[:3] == ["generate"] * 3 for t in by_query)
+                assert {t[3] for t in by_query} == {"python", "retrieve"}
 
 
 def test_the_executor_sees_the_memory_so_far(monkeypatch):
