@@ -53,6 +53,7 @@ import memory_plan  # noqa: E402
 import rc_grpo  # noqa: E402
 from envs import bfcl  # noqa: E402
 from memory_plan import (  # noqa: E402
+    completion_positions,
     fsdp_plan,
     full_plan,
     in_gib,
@@ -417,6 +418,7 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         config, new_tokens = QWEN["tiny"], 8
         lengths = [n // 16 for n in lengths]
         extra = ["--max-new-tokens", "8", "--micro-batch-tokens", "128", "--device", "cpu"]
+    micro_batch_tokens = 128 if tiny else flowrl.PRESETS[preset]["micro_batch_tokens"]
     data = prompt_file(out_dir, lengths)
     argv = [
         "--preset",
@@ -437,7 +439,6 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         "1000",
         *extra,
     ]
-    micro_batch_tokens = flowrl.PRESETS[preset]["micro_batch_tokens"]
     units, original = [], distributed.shard  # FSDP units per sharded model (the policy, π_ref)
 
     def shard(model, bf16):
@@ -461,11 +462,16 @@ def flowrl_run(tiny, device, out_dir, preset, fsdp=False):
         "fsdp_units": units,
         "max_new_tokens": new_tokens,
     }
+    # the plan at this job's shapes (a word a token; + the chat template's words); its load phase
+    # (--fsdp) falls in the run's peak, which the loops' phases do not split
     shape = dict(
         gen_rows=8 * rows,
         prompt_tokens=max(lengths) + 10,
         new_tokens=new_tokens,
         micro_batch_tokens=micro_batch_tokens,
+        completion_positions=completion_positions(
+            micro_batch_tokens, min(lengths) + 10, new_tokens
+        ),
     )
     plan = fsdp_plan(config, 1, **shape) if fsdp else full_plan(config, **shape)
     result["plan_gib"] = {phase: in_gib(terms)["total"] for phase, terms in plan.items()}
@@ -523,12 +529,12 @@ def rc_grpo_job(tiny, device, out_dir):
     system prompt and every function's docs; stage 1, stage 2; the policy not saved) on 2
     train and 2 test tasks, their first user turn, one RCTP-FT epoch, 2 tasks per step (the preset:
     16 and every turn). The random model's outputs decode to a call as often as BFCL's ground truth
-    calls (`calling_model`: 2.39 model steps per user turn on average, up to the preset's 20), so a
-    step's prompt holds the turn's steps so far (24 `generate` calls in all: 20 for two turns of
-    one step each); its 10 rows of ≈ 3k words per `generate` call stay far below the
-    preset's 262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions stop
-    at EOS with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL answer
-    is a call list of tens of tokens; an assumption, not measured on the real model), so a
+    calls in a first turn (`calling_model`: 2.50 model steps on average, up to the preset's 20), so
+    a step's prompt holds the turn's steps so far: 24 `generate` calls in the job, as many as two
+    turns of one step each would take; its 10 rows of ≈ 3k words per `generate` call stay far below
+    the preset's 262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions
+    stop at EOS with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL
+    answer is a call list of tens of tokens; an assumption, not measured on the real model), so a
     `generate` call runs until its longest row stops."""
     config, new_tokens, extra = QWEN["qwen2.5-7b"], rc_grpo.PRESETS["bfcl"]["max_new_tokens"], []
     if tiny:
@@ -562,9 +568,9 @@ def rc_grpo_job(tiny, device, out_dir):
         "1",
         *extra,
     ]
-    # BFCL's ground truth: 1.39 calls per user turn over its 800 entries, one per model step, then
-    # the step that calls nothing and ends the turn
-    truth = [len(turn) for entry in bfcl.load_bfcl_entries() for turn in entry["ground_truth"]]
+    # BFCL's ground truth: 1.50 calls in a first user turn over its 800 entries; taken as one call
+    # per model step (an assumption: a step may list several), then the step that ends the turn
+    truth = [len(entry["ground_truth"][0]) for entry in bfcl.load_bfcl_entries()]
     with (
         random_weights(device, llm=config, eos_hazard=8 / new_tokens),
         no_policy_written(),

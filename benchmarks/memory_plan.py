@@ -720,8 +720,9 @@ def measure_sd3(shape):
 
 
 def measure_sd3_decode(shape):
-    """flow_grpo --preset sd3's rollout peak: `SD3Task.decode` (fp32, no gradients) of `rows`
-    latents through SD3's VAE with its channels cut to `channels` (published: 128), tracked."""
+    """flow_grpo --preset sd3's prepare phase at its peak: `SD3Task.decode` (fp32, no gradients) of
+    `rows` latents, `chunk` at a time, through SD3's VAE with its channels cut to `channels`
+    (published: 128), tracked."""
     import types
 
     from diffusers import AutoencoderKL
@@ -737,10 +738,10 @@ def measure_sd3_decode(shape):
     )
     task = types.SimpleNamespace(pipe=types.SimpleNamespace(vae=vae))
     latents = torch.randn(shape["rows"], SD3_VAE["latent_channels"], shape["side"], shape["side"])
-    measured = tracked(lambda: SD3Task.decode(task, latents), vae)
+    measured = tracked(lambda: SD3Task.decode(task, latents, chunk=shape["chunk"]), vae)
     params = sum(p.numel() for p in vae.parameters())
-    plan = {"vae_fp32": 4 * params} | sd3_decode_terms(width, shape["rows"], 8 * shape["side"])
-    return compared({"rollout": plan}, {"rollout": measured})
+    decode = sd3_decode_terms(width, shape["chunk"], shape["rows"], 8 * shape["side"])
+    return compared({"prepare": {"vae_fp32": 4 * params} | decode}, {"prepare": measured})
 
 
 # Scaled shapes: Qwen2 configs of other widths, depths, vocabularies and ties than the ones the
@@ -795,7 +796,7 @@ SHAPES = {
     ),
 }
 SD3_SHAPE = dict(heads=3, head_dim=32, blocks=3, side=24, text_tokens=30, rows=3)
-SD3_DECODE_SHAPE = dict(channels=64, side=12, rows=3)  # 96 px images
+SD3_DECODE_SHAPE = dict(channels=64, side=12, rows=3, chunk=2)  # 96 px images
 
 
 def scaled_checks():
@@ -909,19 +910,24 @@ def sd3_update_terms(width, blocks, forward_rows, image_tokens, text_tokens):
 VAE_DECODE_BYTES = 24
 
 
-def sd3_decode_terms(width, rows, side):
-    """`SD3Task.decode` of one chunk of `rows` images of side × side pixels."""
-    return {"vae_decode": VAE_DECODE_BYTES * rows * side**2 * width}
+def sd3_decode_terms(width, chunk, rows, side):
+    """`SD3Task.decode` of `rows` images of side × side pixels, `chunk` at a time: one chunk's
+    activations, and the decoded fp32 RGB images (held as the chunks come, then concatenated:
+    twice)."""
+    return {
+        "vae_decode": VAE_DECODE_BYTES * min(chunk, rows) * side**2 * width,
+        "images_fp32": 2 * 12 * rows * side**2,
+    }
 
 
 def sd3_plan(preset, resolution=512):
     """flow_grpo --preset sd3 (SD3.5-Medium + LoRA, envs/sd3.py): the transformer and text
     encoders in bf16, the VAE in fp32 (it decodes in fp32), PickScore in fp32, the LoRA adapter in
-    fp32 with its gradients, AdamW moments and EMA copy. The rollout's peak is the VAE decoding a
-    chunk of DECODE_CHUNK images (`SD3Task.decode`), the update's one trained step of a
-    micro-batch (image tokens (resolution / 16)², text tokens 77 CLIP + 128 T5). Not planned: the
-    sampling's no-grad transformer forward (one block's activations at a time, below the decode),
-    SDPA's workspace on a GPU."""
+    fp32 with its gradients, AdamW moments and EMA copy. The prepare phase's peak is the VAE
+    decoding the step's images DECODE_CHUNK at a time (`SD3Task.decode`); the update's, one trained
+    step of a micro-batch (image tokens (resolution / 16)², text tokens 77 CLIP + 128 T5). Not
+    planned: the rollout's no-grad transformer forward (one block's activations at a time, below
+    the decode), SDPA's workspace on a GPU."""
     adapter = SD3_LORA_R32 * preset["lora_rank"] // 32
     state = {
         "transformer_bf16": 2 * SD3_TRANSFORMER,
@@ -940,8 +946,9 @@ def sd3_plan(preset, resolution=512):
     )
     from envs.sd3 import DECODE_CHUNK
 
-    decode = sd3_decode_terms(SD3_VAE["block_out_channels"][0], DECODE_CHUNK, resolution)
-    return {"rollout": state | decode, "update": state | step}
+    rows = preset["prompts_per_epoch"] * preset["group_size"]  # one GPU's, of one GPU
+    decode = sd3_decode_terms(SD3_VAE["block_out_channels"][0], DECODE_CHUNK, rows, resolution)
+    return {"prepare": state | decode, "update": state | step}
 
 
 def fits(plans, card_gib):
