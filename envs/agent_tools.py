@@ -148,26 +148,24 @@ class ToolSystem:
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
-        question>` and a tool, DEMOS_PER_QUERY of them per query. The demonstrator is careless on
-        every query alike: a share `careless` (rounded) of each query's demonstrations asks the
-        generalist `generate`, a habit RL must unlearn; the rest name the specialised tools in
-        turn, from one `rng` picks. One mix on every query teaches a planner that samples each tool
-        at about its share whatever the question, so a group's G rollouts differ from the first
-        step; one tool per query teaches it to name one tool in all G, and its groups are flat. A
-        135M model never writes the format on its own, examples in the prompt included."""
-        n_careless = round(careless * DEMOS_PER_QUERY)
+        question>` and a tool. A careless demonstrator's share `careless` (exactly, rounded) asks
+        the generalist `generate`, a habit RL must unlearn; the rest name the specialised tools in
+        turn; `rng` shuffles which query gets which. Exact shares: 8 independent draws leave some
+        seeds without a single `retrieve`, and then no group ever has variance. A 135M model never
+        writes the format on its own, examples in the prompt included."""
+        n_careless = round(careless * len(queries))
         specialised = [tool for tool in FULL_TOOLS if tool != "generate"]
-        pairs = []
-        for query, analysis in zip(queries, self.analyse(queries)):
-            first = rng.randrange(len(specialised))
-            tools = ["generate"] * n_careless + [
-                specialised[(first + k) % len(specialised)]
-                for k in range(DEMOS_PER_QUERY - n_careless)
-            ]
-            prompt = self.planner_prompt(query, memory_type(), analysis, 1, max_turns)
-            plan = f"Sub-Goal: {query['question']}\nTool: "
-            pairs += [(prompt, f"{plan}{tool}{self.tokenizer.eos_token}") for tool in tools]
-        return pairs
+        tools = ["generate"] * n_careless + [
+            specialised[k % len(specialised)] for k in range(len(queries) - n_careless)
+        ]
+        rng.shuffle(tools)
+        return [
+            (
+                self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
+                f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}",
+            )
+            for query, analysis, tool in zip(queries, self.analyse(queries), tools)
+        ]
 
     def planner_prompt(self, query, memory, analysis, step, max_turns):
         tools = "\n".join(
@@ -251,7 +249,6 @@ class ToolSystem:
         return answers_match(answer, query["answer"])
 
 
-DEMOS_PER_QUERY = 4  # the warm start's demonstrations of each query (`demonstrations`)
 PYTHON_WORKERS = 8  # Python tool calls of one turn that run at once
 # each frozen module's generation cap (at most the planner's): the analysis asks for two sentences,
 # the verifier for one word; the executor's command and the generate tool may be code or prose

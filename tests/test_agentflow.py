@@ -306,31 +306,22 @@ def test_plan_parser_reads_the_official_fields_in_any_case():
             system.parse_plan(bad)
 
 
-def test_warm_start_demonstrates_one_tool_mix_on_every_query(monkeypatch):
-    """Each query is demonstrated with the same mix (half careless `generate`, the rest python and
-    retrieve in turn), so the warm-started planner's tool does not depend on the question and a
-    group's rollouts can differ; an odd remainder goes to a seeded specialised tool."""
+def test_warm_start_demonstrations_hold_exact_tool_shares_on_every_seed(monkeypatch):
+    """Half the demonstrations careless (`generate`), the rest python and retrieve in turn: no seed
+    is left without the one tool that answers the lookup task."""
     tokenizer = type("Tokenizer", (), {"eos_token": "</s>"})()
     system = agent_tools.ToolSystem([], [], tokenizer, None, None, 1.0, 8, 8, ())
     monkeypatch.setattr(agent_tools.ToolSystem, "analyse", lambda self, qs: ["a"] * len(qs))
     monkeypatch.setattr(agent_tools.ToolSystem, "planner_prompt", lambda self, q, *_: q["question"])
     queries = [{"question": f"q{k}"} for k in range(8)]
-    per_query = agent_tools.DEMOS_PER_QUERY
+    orders = set()
     for seed in range(5):
-        for careless, mix in [(0.5, ["generate"] * 2 + ["python", "retrieve"]), (0.75, None)]:
-            pairs = system.demonstrations(
-                queries, random.Random(seed), careless, agentflow.Memory, 2
-            )
-            assert [prompt for prompt, _ in pairs] == [
-                q["question"] for q in queries for _ in range(per_query)
-            ]
-            tools = [completion.split("Tool: ")[1].removesuffix("</s>") for _, completion in pairs]
-            by_query = [sorted(tools[k : k + per_query]) for k in range(0, len(tools), per_query)]
-            if mix:
-                assert by_query == [mix] * len(queries)
-            else:  # 3 careless and one specialised tool per query, both tools somewhere
-                assert all(t[:3] == ["generate"] * 3 for t in by_query)
-                assert {t[3] for t in by_query} == {"python", "retrieve"}
+        pairs = system.demonstrations(queries, random.Random(seed), 0.5, agentflow.Memory, 2)
+        tools = [completion.split("Tool: ")[1].removesuffix("</s>") for _, completion in pairs]
+        assert sorted(tools) == ["generate"] * 4 + ["python"] * 2 + ["retrieve"] * 2
+        assert [prompt for prompt, _ in pairs] == [q["question"] for q in queries]
+        orders.add(tuple(tools))
+    assert len(orders) > 1  # the seed decides which query gets which tool
 
 
 def test_the_executor_sees_the_memory_so_far(monkeypatch):
