@@ -225,8 +225,9 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
     or as several. Two mini-batches (flowrl, agentflow): flowrl's second is off-policy, so its
     ratio_dev is not 0. flowrl runs its GRPO arm: the log Z head's dropout draws other masks when
     the rows are split otherwise, so TB's loss differs by its noise, not by how it is logged.
-    rc_grpo's stage 1 also runs in micro-batches (other roundings, other weights), so only its
-    stage 2 gets the budget, and the second run loads the first one's stage 1."""
+    rc_grpo's stage 1 and agentflow's warm start also run in micro-batches (other roundings, other
+    weights), so only the RL step gets the budget; rc_grpo's second run loads the first one's
+    stage 1."""
     two = {
         "flowrl": ["--minibatches", "2", "--algo", "grpo"],
         "agentflow": ["--minibatch-rows", "8"],
@@ -235,21 +236,21 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
         varied_rewards(monkeypatch)
     logged = {}
     for label, budget in (("one", 100000), ("several", 40)):
-        if name == "rc_grpo":
-            real_arm = rc_grpo.grpo_arm
-
-            def stage_2(args, *rest, budget=budget, **kwargs):
-                budgeted = dataclasses.replace(args, micro_batch_tokens=budget)
-                return real_arm(budgeted, *rest, **kwargs)
-
-            with monkeypatch.context() as patch:
-                patch.setattr(rc_grpo, "grpo_arm", stage_2)
-                shared = tmp_path / "one" if label == "several" else None
-                logged[label] = first_step(tmp_path / label, name, stage_one_from=shared)
-        else:
+        if name == "flowrl":
             logged[label] = first_step(
                 tmp_path / label, name, *two, "--micro-batch-tokens", str(budget)
             )
+            continue
+        module, arm = (rc_grpo, "grpo_arm") if name == "rc_grpo" else (agentflow, "train_arm")
+        real_arm = getattr(module, arm)
+
+        def rl_arm(args, *rest, budget=budget, real_arm=real_arm, **kwargs):
+            return real_arm(dataclasses.replace(args, micro_batch_tokens=budget), *rest, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(module, arm, rl_arm)
+            shared = tmp_path / "one" if name == "rc_grpo" and label == "several" else None
+            logged[label] = first_step(tmp_path / label, name, *two, stage_one_from=shared)
     one, several = logged["one"], logged["several"]
     assert one["loss"] != 0
     for key in ("loss", "ratio_dev"):
