@@ -376,7 +376,10 @@ def test_a_killed_sharded_run_resumes_to_the_same_end_and_saves_what_it_trained(
         ]
 
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    subprocess.run(run("whole"), check=True, cwd=ROOT, capture_output=True, timeout=300, env=env)
+    whole = subprocess.run(
+        run("whole"), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
 
     killed = subprocess.Popen(
         run("killed"),
