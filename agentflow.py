@@ -423,6 +423,7 @@ def warm_start(system, demos, args):
         demos, random.Random(args.seed), args.careless, Memory, args.max_turns
     )
     gen = torch.Generator().manual_seed(args.seed)
+    packing = common.Scoring(tokenizer, args.micro_batch_tokens, planner.device)  # not scored
     optimizer = torch.optim.AdamW(
         [p for p in planner.parameters() if p.requires_grad], lr=args.warm_start_lr
     )
@@ -437,15 +438,11 @@ def warm_start(system, demos, args):
         token_count = sum(map(len, completions))
         optimizer.zero_grad()
         # the batch's token-mean NLL, accumulated over --micro-batch-tokens micro-batches
-        for rows in common.micro_batches(tokenizer, prompts, completions, args.micro_batch_tokens):
-            ids, attn, mask = common.pack_completions(
-                tokenizer,
-                [prompts[r] for r in rows],
-                [completions[r] for r in rows],
-                planner.device,
-            )
-            logp = common.completion_logprobs(planner, ids, attn, mask.shape[1])
-            (-(logp * mask).sum() / token_count).backward()
+        for mb in common.scored_micro_batches(
+            prompts, completions, sampler_logps=None, scoring=packing
+        ):
+            logp = common.completion_logprobs(planner, mb.ids, mb.attn, mb.mask.shape[1])
+            (-(logp * mb.mask).sum() / token_count).backward()
         optimizer.step()
 
 

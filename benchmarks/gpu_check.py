@@ -249,10 +249,10 @@ def random_weights(device, llm=None, sd3=None, eos_hazard=None):
 @contextlib.contextmanager
 def calling_model(mean_steps, seed=0):
     """For the `with` block, each output of the random model decodes (`bfcl.decode_calls`) to one
-    call with probability 1 − 1/mean_steps, so a user turn takes `mean_steps` model steps on average
-    and a later step's prompt holds the earlier steps' exchanges, as the trained model's do. The
-    call names no function of the entry's: the backend answers with its one-line error. Yields
-    {"steps": model outputs decoded, "turn_ends": those that called nothing}."""
+    call with probability 1 − 1/mean_steps, so a user turn takes `mean_steps` model steps on
+    average and a later step's prompt holds the earlier steps' exchanges, as the trained model's
+    do. The call names no function of the entry's: the backend answers with its one-line error.
+    Yields {"steps": model outputs decoded, "turn_ends": those that called nothing}."""
     rng = random.Random(seed)
     counts = {"steps": 0, "turn_ends": 0}
 
@@ -531,11 +531,11 @@ def rc_grpo_job(tiny, device, out_dir):
     16 and every turn). The random model's outputs decode to a call as often as BFCL's ground truth
     calls in a first turn (`calling_model`: 2.50 model steps on average, up to the preset's 20), so
     a step's prompt holds the turn's steps so far: 24 `generate` calls in the job, as many as two
-    turns of one step each would take; its 10 rows of ≈ 3k words per `generate` call stay far below
-    the preset's 262 144-token chunks (those are planned: benchmarks/memory_plan.py). Completions
-    stop at EOS with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256: a BFCL
-    answer is a call list of tens of tokens; an assumption, not measured on the real model), so a
-    `generate` call runs until its longest row stops."""
+    turns of one step each would take; its 10 rows of ≈ 3k words per `generate` call stay far
+    below the preset's 262 144-token chunks (those are planned: benchmarks/memory_plan.py).
+    Completions stop at EOS with a hazard of 8 / max_new_tokens per token (a mean of 32 of the 256:
+    a BFCL answer is a call list of tens of tokens; an assumption, not measured on the real model),
+    so a `generate` call runs until its longest row stops."""
     config, new_tokens, extra = QWEN["qwen2.5-7b"], rc_grpo.PRESETS["bfcl"]["max_new_tokens"], []
     if tiny:
         config, new_tokens = QWEN["tiny"], 8

@@ -946,7 +946,7 @@ def sd3_plan(preset, resolution=512):
     )
     from envs.sd3 import DECODE_CHUNK
 
-    rows = preset["prompts_per_epoch"] * preset["group_size"]  # one GPU's, of one GPU
+    rows = preset["prompts_per_epoch"] * preset["group_size"]  # the step's, all on one GPU
     decode = sd3_decode_terms(SD3_VAE["block_out_channels"][0], DECODE_CHUNK, rows, resolution)
     return {"prepare": state | decode, "update": state | step}
 

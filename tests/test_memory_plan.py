@@ -21,7 +21,7 @@ def checks():
 def test_every_phase_is_planned_within_15_percent_of_the_tracked_peak(checks):
     """flowrl full (rollout, update) at two shapes, full-7b under --fsdp on 2 gloo ranks (load,
     rollout, update), rc_grpo bfcl's two adapters and agentflow full's one (rollout, update),
-    flow_grpo sd3's VAE decode (rollout) and trained step (update)."""
+    flow_grpo sd3's VAE decode (prepare) and trained step (update)."""
     rows = {
         (name, phase): round(row["ratio"], 3)
         for name, result in checks.items()
