@@ -224,8 +224,9 @@ PRESETS = {
     # A real model on a laptop CPU (SmolLM2-135M-Instruct, bundled): who lives where and works as
     # what, for fictional people whose one-line records only the retrieval tool can find. The whole
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
-    # from demonstrations (DEVIATION 6): half careless ones that ask `generate`, two retrieve. β 0:
-    # the reference (adapter off) never writes the plan's format, so a KL to it pulls out of it.
+    # from demonstrations (DEVIATION 6), every query shown with the same mix of replies (half
+    # careless ones that ask `generate`) and all 32 in every step. β 0: the reference (adapter
+    # off) never writes the plan's format, so a KL to it pulls out of it.
     "smollm2-lookup": dict(
         model="smollm2",
         data=str(DATA / "people_train.jsonl"),
@@ -245,7 +246,7 @@ PRESETS = {
         eval_every=1000,
         careless=0.5,
         warm_start_demos=8,
-        warm_start_steps=20,
+        warm_start_steps=30,
         warm_start_lr=1e-3,
         micro_batch_tokens=1024,
     ),
@@ -429,10 +430,12 @@ def warm_start(system, demos, args):
     )
     planner.train()
     for _ in range(args.warm_start_steps):
-        batch = [
-            pairs[k]
-            for k in torch.randint(len(pairs), (min(32, len(pairs)),), generator=gen).tolist()
-        ]
+        # 32 pairs drawn per step, or every pair where they fit one batch (the SmolLM2 preset:
+        # the tool shares of drawn batches made the start differ from seed to seed)
+        rows = range(len(pairs))
+        if len(pairs) > 32:
+            rows = torch.randint(len(pairs), (32,), generator=gen).tolist()
+        batch = [pairs[k] for k in rows]
         prompts = [p for p, _ in batch]
         completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]
         token_count = sum(map(len, completions))

@@ -39,6 +39,7 @@ def make_retriever(corpus_path, top_k=3, max_chars=600):
     return search
 
 
+MIX_ROWS = 4  # the warm-start demonstrator's replies to each query
 FULL_TOOLS = {
     "python": (
         "Runs Python code and returns what it prints.",
@@ -148,23 +149,25 @@ class ToolSystem:
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
-        question>` and a tool. A careless demonstrator's share `careless` (exactly, rounded) asks
-        the generalist `generate`, a habit RL must unlearn; the rest name the specialised tools in
-        turn; `rng` shuffles which query gets which. Exact shares: 8 independent draws leave some
-        seeds without a single `retrieve`, and then no group ever has variance. A 135M model never
-        writes the format on its own, examples in the prompt included."""
-        n_careless = round(careless * len(queries))
+        question>` and a tool. The demonstrator is stochastic and the same on every query: of its
+        MIX_ROWS replies to each, round(`careless` · MIX_ROWS) ask the generalist `generate`, a
+        habit RL must unlearn, the rest name the specialised tools in turn. Supervised learning
+        fits that mix, on every query and seed (one tool per query, shuffled by the seed, left
+        some seeds' planners naming `generate` in every sample of a group: docs/agentflow.md).
+        `rng` is unused (the toy's demonstrator draws). A 135M model never writes the format on
+        its own, examples in the prompt included."""
+        n_careless = round(careless * MIX_ROWS)
         specialised = [tool for tool in FULL_TOOLS if tool != "generate"]
-        tools = ["generate"] * n_careless + [
-            specialised[k % len(specialised)] for k in range(len(queries) - n_careless)
+        mix = ["generate"] * n_careless + [
+            specialised[k % len(specialised)] for k in range(MIX_ROWS - n_careless)
         ]
-        rng.shuffle(tools)
         return [
             (
                 self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
                 f"Sub-Goal: {query['question']}\nTool: {tool}{self.tokenizer.eos_token}",
             )
-            for query, analysis, tool in zip(queries, self.analyse(queries), tools)
+            for query, analysis in zip(queries, self.analyse(queries))
+            for tool in mix
         ]
 
     def planner_prompt(self, query, memory, analysis, step, max_turns):
