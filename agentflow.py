@@ -149,7 +149,8 @@ class Args:
     careless: float = cli.arg(
         0.7,
         "share of careless demonstrations in the warm start (toy: the second lookup repeats "
-        "the first attribute; full scale: `generate`, the rest python and retrieve in turn)",
+        "the first attribute; full scale: `generate` among each query's replies, the other "
+        "tools once each)",
     )
     lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
     micro_batch_tokens: int = cli.arg(
@@ -416,6 +417,9 @@ def planner_sampler(system, temperature, args):
     )
 
 
+WARM_START_BATCH = 32  # (prompt, completion) pairs per warm-start step
+
+
 def warm_start(system, demos, args):
     """Supervised warm start on demonstrations (DEVIATION 6): the planner learns the plan's format,
     and the careless demonstrator's habit (`system.demonstrations`), so RL has something to fix."""
@@ -430,11 +434,10 @@ def warm_start(system, demos, args):
     )
     planner.train()
     for _ in range(args.warm_start_steps):
-        # 32 pairs drawn per step, or every pair where they fit one batch (the SmolLM2 preset:
-        # the tool shares of drawn batches made the start differ from seed to seed)
+        # every pair where they fit one batch (the start then depends on no draw), else a draw
         rows = range(len(pairs))
-        if len(pairs) > 32:
-            rows = torch.randint(len(pairs), (32,), generator=gen).tolist()
+        if len(pairs) > WARM_START_BATCH:
+            rows = torch.randint(len(pairs), (WARM_START_BATCH,), generator=gen).tolist()
         batch = [pairs[k] for k in rows]
         prompts = [p for p, _ in batch]
         completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for _, c in batch]

@@ -39,7 +39,7 @@ def make_retriever(corpus_path, top_k=3, max_chars=600):
     return search
 
 
-MIX_ROWS = 4  # the warm-start demonstrator's replies to each query
+MAX_CARELESS = 8  # the warm-start demonstrator's most `generate` replies to one query
 FULL_TOOLS = {
     "python": (
         "Runs Python code and returns what it prints.",
@@ -149,18 +149,17 @@ class ToolSystem:
 
     def demonstrations(self, queries, rng, careless, memory_type, max_turns):
         """The warm start's (prompt, completion) pairs, first turns only: `Sub-Goal: <the
-        question>` and a tool. The demonstrator is stochastic and the same on every query: of its
-        MIX_ROWS replies to each, round(`careless` · MIX_ROWS) ask the generalist `generate`, a
-        habit RL must unlearn, the rest name the specialised tools in turn. Supervised learning
-        fits that mix, on every query and seed (one tool per query, shuffled by the seed, left
-        some seeds' planners naming `generate` in every sample of a group: docs/agentflow.md).
-        `rng` is unused (the toy's demonstrator draws). A 135M model never writes the format on
-        its own, examples in the prompt included."""
-        n_careless = round(careless * MIX_ROWS)
+        question>` and a tool. The demonstrator's whole reply distribution, the same for every
+        query: each specialised tool once, and the generalist `generate` (a careless habit RL must
+        unlearn) as many times (0 to MAX_CARELESS) as brings its share nearest `careless`.
+        Supervised learning fits that mix on every query, so no seed decides which queries the
+        planner learns to answer with which tool. `rng` is unused (the toy's demonstrator draws).
+        A 135M model never writes the format on its own, examples in the prompt included."""
         specialised = [tool for tool in FULL_TOOLS if tool != "generate"]
-        mix = ["generate"] * n_careless + [
-            specialised[k % len(specialised)] for k in range(MIX_ROWS - n_careless)
-        ]
+        n_careless = min(
+            range(MAX_CARELESS + 1), key=lambda n: abs(n / (n + len(specialised)) - careless)
+        )
+        mix = ["generate"] * n_careless + specialised
         return [
             (
                 self.planner_prompt(query, memory_type(), analysis, 1, max_turns),
