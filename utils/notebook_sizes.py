@@ -9,7 +9,7 @@ QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
 READER = {
     "flowrl": ({}, dict(steps=8)),
     "flow_grpo": ({}, {}),
-    "agentflow": ({}, dict(steps=4, ablation=False)),
+    "agentflow": ({}, dict(ablation=False)),
     "rc_grpo": ({}, dict(steps=2)),
 }
 TINY = {
