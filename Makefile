@@ -30,11 +30,11 @@ demo: $(VENV)/.installed
 
 # A real pretrained model learning on a laptop CPU (SmolLM2-135M-Instruct, bundled): GRPO on
 # one-digit sums (greedy accuracy), FlowRL vs GRPO on many-answer questions over 3 seeds, the
-# AgentFlow planner over 3 seeds, RC-GRPO's two arms on BFCL entries.
+# AgentFlow planner over 5 seeds, RC-GRPO's two arms on BFCL entries.
 demo-real: $(VENV)/.installed
 	$(PY) flowrl.py --quiet --overwrite --preset smollm2-addition --algo grpo
 	$(PY) flowrl.py --overwrite --preset smollm2-numbers --seeds 0-2
-	for s in 0 1 2; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet --overwrite \
+	for s in 0 1 2 3 4; do $(PY) agentflow.py --preset smollm2-lookup --seed $$s --no-ablation --quiet --overwrite \
 		--out-dir runs/agentflow-smollm2/seed$$s || exit 1; done
 	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
 	$(PY) rc_grpo.py --overwrite --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
