@@ -72,9 +72,10 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy 0.577 → 0.921; final-turn 0.426
     python agentflow.py --seeds 0-4   # the same on five seeds, one table (the figures above are
                                       # its means, docs/agentflow.md)
-Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 36 min a seed on one core):
+Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 36 min a seed on one core beside
+a second run):
     python agentflow.py --preset smollm2-lookup --no-ablation  # held-out 0.000 → 0.417 on seeds
-                                            # 0-4; final-turn credit as good (docs)
+                                            # 0-4; final-turn credit as good (seeds 2, 3; docs)
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
