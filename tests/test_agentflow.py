@@ -220,7 +220,9 @@ def test_the_warm_start_trains_on_every_pair_each_step_where_they_fit_one_batch(
         everything = sorted(prompt for prompt, _ in pairs)
         assert len(batches) == 2
         assert all((batch == everything) == fits for batch in batches)
-        assert all(len(batch) == (len(pairs) if fits else 32) for batch in batches)
+        assert all(
+            len(batch) == (len(pairs) if fits else agentflow.WARM_START_BATCH) for batch in batches
+        )
 
 
 def two_step_query(world):
