@@ -739,3 +739,4 @@ if __name__ == "__main__":
         summary = train(args)
         if distributed.is_rank_zero():  # one final JSON, not one per rank
             print(json.dumps(summary, indent=2))
+    distributed.leave_process_group()

@@ -674,6 +674,7 @@ def main():
         gc.collect()  # the job's models sit in reference cycles: free them before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    distributed.leave_process_group()
 
 
 if __name__ == "__main__":

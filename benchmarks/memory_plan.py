@@ -617,7 +617,7 @@ def _fsdp_rank(rank, world, store, config, shape, queue):
     if rank == 0:
         queue.put((measured, plan_args(shape, batches)))
     dist.barrier()
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 def measure_fsdp(config, shape, world=2):

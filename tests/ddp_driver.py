@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils import cli  # noqa: E402
+from utils import cli, distributed  # noqa: E402
 
 optimizers = []
 
@@ -59,3 +59,4 @@ if __name__ == "__main__":
     ]
     torch.save(params, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
     Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.calls").write_text(str(len(calls)))
+    distributed.leave_process_group()

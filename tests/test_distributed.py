@@ -271,7 +271,7 @@ def _average_on_rank(rank, port, out):
         params[1].grad = torch.full((3,), 4.0)  # on one rank only
     distributed.average_gradients(params, SimpleNamespace(num_processes=2))
     torch.save([None if p.grad is None else p.grad for p in params], f"{out}.{rank}.pt")
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 def test_a_gradient_none_on_every_rank_stays_none(tmp_path):

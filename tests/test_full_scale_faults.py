@@ -136,7 +136,7 @@ def _save_and_resume_on_rank(rank, port, folder):
         {"cuda": current["state"], "cpu": torch.get_rng_state(), "saved_cpu": cpu_state},
         Path(folder) / f"restored.{rank}.pt",
     )
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 @pytest.mark.long
@@ -165,7 +165,7 @@ def _check_folder_on_rank(rank, port, folders, out):
     except SystemExit as stop:
         result = str(stop)
     Path(f"{out}.{rank}").write_text(result)
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 @pytest.mark.long
@@ -336,7 +336,7 @@ def _forward_after_a_rollout(rank, port, out):
         root, layer = model.model.embed_tokens.weight, model.model.layers[0].mlp.up_proj.weight
         sharded = {"root": isinstance(root, DTensor), "layer": isinstance(layer, DTensor)}
         Path(out).write_text(json.dumps(sharded))
-    dist.destroy_process_group()
+    distributed.leave_process_group()
 
 
 @pytest.mark.long
