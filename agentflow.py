@@ -72,10 +72,10 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy 0.577 → 0.921; final-turn 0.426
     python agentflow.py --seeds 0-4   # the same on five seeds, one table (the figures above are
                                       # its means, docs/agentflow.md)
-Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 36 min a seed on one core beside
-a second run):
-    python agentflow.py --preset smollm2-lookup --no-ablation  # held-out 0.000 → 0.417 on seeds
-                                            # 0-4; final-turn credit as good (seeds 2, 3; docs)
+Laptop (SmolLM2-135M-Instruct, bundled; the whole system, about 80 min of one core a seed):
+    python agentflow.py --preset smollm2-lookup --no-ablation  # held-out 0.000 → 0.417, 0.417,
+                                            # 0.375 on seeds 0-2; final-turn credit as good
+                                            # (G 4, seeds 2, 3; docs)
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
@@ -228,7 +228,8 @@ PRESETS = {
     # system runs (frozen modules, sandboxed Python, TF-IDF); the planner first learns the format
     # from demonstrations (DEVIATION 6), every query shown with the same mix of replies (half
     # careless ones that ask `generate`) and all 32 in every step. β 0: the reference (adapter
-    # off) never writes the plan's format, so a KL to it pulls out of it.
+    # off) never writes the plan's format, so a KL to it pulls out of it. G 8 (the paper's): with
+    # G 4 every group of the first step was flat on 2 of 5 seeds (docs/agentflow.md).
     "smollm2-lookup": dict(
         model="smollm2",
         data=str(DATA / "people_train.jsonl"),
@@ -236,7 +237,7 @@ PRESETS = {
         corpus=str(DATA / "people_corpus.jsonl"),
         steps=8,
         queries_per_step=3,
-        group_size=4,
+        group_size=8,
         inner_steps=1,
         max_turns=2,
         eval_max_turns=2,
