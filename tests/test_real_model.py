@@ -98,6 +98,7 @@ def test_flowrl_on_smollm2_scores_what_it_sampled_and_warms_up_per_rollout_batch
     assert [s["lr"] for s in steps] == [0.0, 5e-5, 1e-4]
     assert steps[0]["ratio_dev"] == 0  # lr 0: the first batch's second mini-batch sees π_old
     assert steps[1]["ratio_dev_first"] == 0 and steps[1]["ratio_dev"] > 0
+    assert all(0 <= s["zero_var_frac"] <= 1 for s in steps)  # what the flat-group warning reads
 
 
 def test_sampled_completions_stop_at_the_first_eos_and_decode_only_kept_tokens(smollm2):

@@ -1,5 +1,5 @@
-"""The run logger's own behaviour: the line a run prints when it is learning nothing; and the
-loops' measurement seams, the step's loss statistics and its phase seconds."""
+"""The run logger's own behaviour: the line a run prints when its reward teaches it nothing; and
+the loops' measurement seams, the step's loss statistics and its phase seconds."""
 
 import torch
 
@@ -11,7 +11,9 @@ def logged_warnings(tmp_path, capsys, zero_var_fracs):
     for step, fraction in enumerate(zero_var_fracs, 1):
         logger.log(step, zero_var_frac=fraction)
     logger.finish({})
-    return [line for line in capsys.readouterr().err.splitlines() if "learning nothing" in line]
+    return [
+        line for line in capsys.readouterr().err.splitlines() if "teaching this run nothing" in line
+    ]
 
 
 def test_a_run_whose_groups_stay_flat_says_so_once(tmp_path, capsys):

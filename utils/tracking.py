@@ -138,8 +138,8 @@ class RunLogger:
         if self.main_process and flat_streak(self.records) == FLAT_STEPS:
             print(
                 f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so "
-                "every advantage, loss and gradient was 0: this run is learning nothing (a warm "
-                "start, an easier task or a larger group would give groups both outcomes)",
+                "every group-relative advantage was 0: the reward is teaching this run nothing (a "
+                "warm start, an easier task or a larger group would give groups both outcomes)",
                 file=sys.stderr,
             )
         self.metrics_file.write(json.dumps(record) + "\n")
