@@ -137,9 +137,9 @@ class RunLogger:
         self.records.append(record)
         if self.main_process and flat_streak(self.records) == FLAT_STEPS:
             print(
-                f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so "
-                "every group-relative advantage was 0: the reward is teaching this run nothing (a "
-                "warm start, an easier task or a larger group would give groups both outcomes)",
+                f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row: the "
+                "reward is teaching this run nothing (a warm start, an easier task or a larger "
+                "group would give groups both outcomes)",
                 file=sys.stderr,
             )
         self.metrics_file.write(json.dumps(record) + "\n")
