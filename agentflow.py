@@ -75,7 +75,8 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
 Laptop (SmolLM2-135M-Instruct, bundled; the whole system, about 80 min of one core a seed):
     python agentflow.py --preset smollm2-lookup --seed S --no-ablation  # held-out 0.000 → 0.417
                                             # on seeds 0, 1, 3, 4 and 0.375 on seed 2; final-turn
-                                            # credit as good (G 4, seeds 2, 3; docs)
+                                            # credit as good (within one question on the
+                                            # four runs measured; docs)
 Full scale (one GPU):
     python agentflow.py --preset full --data train.jsonl --eval-data test.jsonl --corpus docs.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
