@@ -301,15 +301,17 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, to
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
 
     A_i is the broadcast advantage of the turn's trajectory; KL_t is k3 to π_ref as verl's
-    `low_var_kl` (log-ratio clamped to ±20, k3 to ±10); N_tokens counts the mini-batch's planner
-    tokens (DEVIATION 1: token-mean), so micro-batches add up to the one-shot loss; `clip.dual`
-    c > 0 caps the loss at c·|A| where A < 0 (verl's dual clip)."""
+    `low_var_kl` (log-ratio clamped to ±20, k3 to ±10; 0 when β = 0 skips π_ref); N_tokens counts
+    the mini-batch's planner tokens (DEVIATION 1: token-mean), so micro-batches add up to the
+    one-shot loss; `clip.dual` c > 0 caps the loss at c·|A| where A < 0 (verl's dual clip)."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip.low, 1 + clip.high)
     # the pessimistic branch of the clipped surrogate, capped by the dual clip
     pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], clip.dual)
-    kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0, log_ratio_limit=20.0)  # verl's clamps
+    kl = torch.zeros_like(logp)  # β = 0: π_ref is not scored
+    if ref_logp is not None:
+        kl = common.kl_penalty(logp, ref_logp, "k3", limit=10.0, log_ratio_limit=20.0)  # verl's
     loss = ((pg_loss + beta * kl) * mask).sum() / token_count  # Eqs. 5-6
     stats = {
         "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask).item(),
@@ -450,7 +452,7 @@ def warm_start(system, demos, args):
         for mb in common.scored_micro_batches(
             prompts, completions, sampler_logps=None, scoring=packing
         ):
-            logp = common.completion_logprobs(planner, mb.ids, mb.attn, mb.mask.shape[1])
+            logp = common.micro_batch_logprobs(planner, mb)
             (-(logp * mb.mask).sum() / token_count).backward()
         optimizer.step()
 
@@ -534,6 +536,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         reference=reference,
         temperature=args.temperature,
         precision=args.mixed_precision,
+        with_reference=bool(args.beta),  # π_ref only where the loss reads it
     )
     clip = Clip(low=args.clip_eps, high=args.clip_eps_high, dual=args.dual_clip)
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
@@ -612,12 +615,9 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
             optimizer.zero_grad()
             token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
             for mb in minibatch:
-                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                completion_len = mask.shape[1]
+                mask, rows = mb.mask, mb.rows
                 with autocast:
-                    logp = common.completion_logprobs(  # (B, W)
-                        planner, ids, attn, completion_len, temperature=args.temperature
-                    )
+                    logp = common.micro_batch_logprobs(planner, mb, args.temperature)  # (B, W)
                 if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                     mb.old_logp = logp.detach()
                 loss, stats = flow_grpo_loss(

@@ -90,15 +90,6 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len, *, tem
     return logp
 
 
-def completion_logprobs_and_hidden(model, input_ids, attention_mask, completion_len):
-    """(log π (B, W) as `completion_logprobs` scores it, the last layer's hidden states (B, L, H))
-    of one forward pass: what FlowRL's log Z head reads besides the log-probs."""
-    logp, out = completion_forward(
-        model, input_ids, attention_mask, completion_len, output_hidden_states=True
-    )
-    return logp, out.hidden_states[-1]
-
-
 def completion_forward(
     model, input_ids, attention_mask, completion_len, temperature=1.0, output_hidden_states=False
 ):
@@ -115,6 +106,57 @@ def completion_forward(
     if temperature != 1.0:
         logits = logits / temperature
     return token_logprobs(logits, input_ids[:, -completion_len:]), out
+
+
+def micro_batch_logprobs(model, mb, temperature=1.0):
+    """log π(y_t | x, y_<t) of a micro-batch's completions → (B, W), each distinct prompt run once
+    (`micro_batch_forward`)."""
+    logp, _, _ = micro_batch_forward(model, mb, temperature)
+    return logp
+
+
+def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
+    """(log π of the completions (B, W), each row's prompt states (B, P, H) and their mask (B, P))
+    — the states (the last layer's, what FlowRL's log Z reads) only with `prompt_states`.
+
+    Each distinct prompt runs once; its KV cache is copied to the rows that share it, their
+    completions run on top, and the backward flows through the copies into the one prompt pass:
+    the loss and gradient of packing every row whole, up to float rounding (a test), for about
+    U·P + B·W tokens instead of B·(P+W). The first completion token is scored by the prompt's
+    last logits. A model that checkpoints its layers' activations keeps no cache in training, so
+    there each row is packed whole."""
+    prompt_pos = (mb.prompt_attn.cumsum(-1) - 1).clamp(min=0)
+    width = mb.completion_ids.shape[1]
+    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        ids = torch.cat([mb.prompt_ids[mb.prompt_of], mb.completion_ids], 1)
+        attn = torch.cat([mb.prompt_attn[mb.prompt_of], mb.mask.long()], 1)
+        logp, out = completion_forward(model, ids, attn, width, temperature, prompt_states)
+        states = out.hidden_states[-1][:, :-width] if prompt_states else None
+        return logp, states, mb.prompt_attn[mb.prompt_of]
+    prompt = model(
+        input_ids=mb.prompt_ids,
+        attention_mask=mb.prompt_attn,
+        position_ids=prompt_pos,
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=prompt_states,
+    )
+    cache = prompt.past_key_values
+    cache.batch_select_indices(mb.prompt_of)  # (U, ...) → (B, ...): a copy the backward sums
+    prompt_len = mb.prompt_attn.sum(-1, keepdim=True)[mb.prompt_of]  # (B, 1)
+    completion = model(
+        input_ids=mb.completion_ids,
+        attention_mask=torch.cat([mb.prompt_attn[mb.prompt_of], mb.mask.long()], 1),
+        position_ids=prompt_len + torch.arange(width, device=prompt_len.device),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # position j scores token j + 1: the prompt's last logits score the first completion token
+    logits = torch.cat([prompt.logits[mb.prompt_of], completion.logits[:, :-1]], 1)  # (B, W, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    states = prompt.hidden_states[-1][mb.prompt_of] if prompt_states else None
+    return token_logprobs(logits, mb.completion_ids), states, mb.prompt_attn[mb.prompt_of]
 
 
 def eos_token_ids(model, tokenizer):
@@ -198,6 +240,24 @@ def generation_chunks(prompt_lengths, max_new_tokens, batch_rows, token_budget=0
     return chunks
 
 
+def prompt_cache(model, mb):
+    """The KV cache of each distinct prompt of `mb` but its last token, run once and copied to the
+    rows that share it: `generate` then runs only the last token of each row's prompt (None for
+    one-token prompts, which `generate` runs whole)."""
+    if mb.prompt_ids.shape[1] < 2:
+        return None
+    attn = mb.prompt_attn[:, :-1]
+    out = model(
+        input_ids=mb.prompt_ids[:, :-1],
+        attention_mask=attn,
+        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    out.past_key_values.batch_select_indices(mb.prompt_of)
+    return out.past_key_values
+
+
 @torch.no_grad()
 def sample_completions(
     model,
@@ -230,21 +290,23 @@ def sample_completions(
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
         lo, hi = chunk.start, chunk.stop
-        enc = tokenizer(
-            prompts[lo:hi], return_tensors="pt", padding=True, add_special_tokens=False
-        ).to(model.device)
+        # each distinct prompt (the G copies of a group's) is prefilled once, its cache shared
+        mb = pack_micro_batch(tokenizer, prompts[lo:hi], [[]] * (hi - lo), model.device)
+        ids, attn = mb.prompt_ids[mb.prompt_of], mb.prompt_attn[mb.prompt_of]
         recorder = SampledLogprobs(
             temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
         )
         with training_autocast(model.device, precision):  # the precision the trainer scores in
             seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
-                **enc,
+                input_ids=ids,
+                attention_mask=attn,
+                past_key_values=prompt_cache(model, mb),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 synced_gpus=False,
             )
         recorder.collect(seq)
-        completion = seq[:, enc["input_ids"].shape[1] :].cpu()
+        completion = seq[:, ids.shape[1] :].cpu()
         logp = (
             torch.stack(recorder.picked, 1).cpu()
             if temperature > 0
@@ -280,18 +342,21 @@ def pack_completions(tokenizer, prompts, completions, device):
 
 
 def micro_batches(tokenizer, prompts, completions, token_budget):
-    """Split rows into consecutive micro-batches whose packed size, rows x (longest prompt +
-    longest completion) as `pack_completions` pads them, stays within `token_budget`, so a step's
-    peak memory does not grow with the number of rollouts. A row longer than the budget gets a
-    micro-batch of its own. Returns lists of row indices."""
+    """Split rows into consecutive micro-batches whose computed size, as `pack_micro_batch` packs
+    them (each distinct prompt once × the longest prompt, plus rows × the longest completion),
+    stays within `token_budget`, so a step's peak memory does not grow with the number of
+    rollouts. A row longer than the budget gets a micro-batch of its own. Returns lists of row
+    indices."""
     prompt_lens = [len(p) for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
-    batches, current, widest_prompt, widest_completion = [], [], 0, 0
-    for row, (plen, clen) in enumerate(zip(prompt_lens, map(len, completions))):
-        width = max(widest_prompt, plen) + max(widest_completion, clen, 1)
-        if current and (len(current) + 1) * width > token_budget:
+    batches, current, distinct, widest_prompt, widest_completion = [], [], set(), 0, 0
+    for row, (prompt, plen, clen) in enumerate(zip(prompts, prompt_lens, map(len, completions))):
+        prompt_tokens = len(distinct | {prompt}) * max(widest_prompt, plen)
+        completion_tokens = (len(current) + 1) * max(widest_completion, clen, 1)
+        if current and prompt_tokens + completion_tokens > token_budget:
             batches.append(current)
-            current, widest_prompt, widest_completion = [], 0, 0
+            current, distinct, widest_prompt, widest_completion = [], set(), 0, 0
         current.append(row)
+        distinct.add(prompt)
         widest_prompt, widest_completion = max(widest_prompt, plen), max(widest_completion, clen)
     return batches + [current] if current else batches
 
@@ -312,45 +377,70 @@ def place_logprobs(mask, logps):
     return out
 
 
-@torch.no_grad()
-def reference_logprobs(
-    model, reference, input_ids, attention_mask, completion_len, *, temperature=1.0
-):
-    """log π_ref of the same tokens: a frozen copy when given, else `model` with its LoRA adapter
-    disabled."""
-    if reference is not None:
-        return completion_logprobs(
-            reference, input_ids, attention_mask, completion_len, temperature=temperature
-        )
-    with model.disable_adapter():
-        return completion_logprobs(
-            model, input_ids, attention_mask, completion_len, temperature=temperature
-        )
-
-
 @dataclasses.dataclass
 class MicroBatch:
-    """One token-bounded slice of a step's rows: their indices, packed ids and attention (B, P+W),
-    the completion mask (B, W), and on the mask (B, W): the sampler's log-probs, π_old's (the
-    trainer's own forward before any update) and π_ref's, each None when not asked for."""
+    """One token-bounded slice of a step's rows: their indices (`rows`); each distinct prompt once,
+    left-padded (U, P), with its attention; each row's prompt (`prompt_of`, (B,) indices into
+    them); the completions right-padded (B, W); and on their mask (B, W): the sampler's log-probs,
+    π_old's (the trainer's own forward before any update) and π_ref's, each None when not asked
+    for."""
 
     rows: list
-    ids: torch.Tensor
-    attn: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_attn: torch.Tensor
+    prompt_of: torch.Tensor
+    completion_ids: torch.Tensor
     mask: torch.Tensor
     sampler_logp: torch.Tensor = None
     old_logp: torch.Tensor = None
     ref_logp: torch.Tensor = None
 
+    @property
+    def tokens(self):
+        """The tokens its forward computes: each distinct prompt once, every row's completion."""
+        return self.prompt_ids.numel() + self.completion_ids.numel()
+
+
+def pack_micro_batch(tokenizer, prompts, completions, device, rows=()):
+    """Rows as a MicroBatch: a prompt that several rows share (a group's G completions, the replies
+    to one demonstration) is packed once; the completions are right-padded below it."""
+    distinct = list(dict.fromkeys(prompts))
+    tokenizer.padding_side = "left"
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+    position = {prompt: u for u, prompt in enumerate(distinct)}
+    width = max(1, max(len(c) for c in completions))
+    completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(completions), width)
+    for row, ids in enumerate(completions):
+        completion_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        mask[row, : len(ids)] = 1
+    return MicroBatch(
+        list(rows),
+        enc["input_ids"].to(device),
+        enc["attention_mask"].to(device),
+        torch.tensor([position[p] for p in prompts], device=device),
+        completion_ids.to(device),
+        mask.to(device),
+    )
+
+
+def empty_micro_batch(tokenizer, device):
+    """A micro-batch of no rows (a one-token prompt, a masked-out one-token completion): what a
+    rank with fewer micro-batches runs so that every rank of a sharded model runs as many."""
+    pad = torch.full((1, 1), tokenizer.pad_token_id or 0, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return MicroBatch([], pad, torch.ones_like(pad), zero, pad, torch.zeros(1, 1, device=device))
+
 
 @dataclasses.dataclass
 class Scoring:
     """How `scored_micro_batches` packs and scores a step's rows, fixed for a run: the tokenizer,
-    the padded tokens per micro-batch (`token_budget`) and the device; the trainer `model` (None:
-    pack only) and the frozen `reference` (None: `model` with its adapter off), with the sampling
-    temperature and the precision their forwards score at; `with_reference`: score π_ref;
-    `equal_count` (a sharded model, whose every forward and backward is a collective): maps this
-    rank's number of micro-batches to the number every rank runs."""
+    the tokens each micro-batch computes (`token_budget`) and the device; the trainer `model`
+    (None: pack only) and the frozen `reference` (None: `model` with its adapter off), with the
+    sampling temperature and the precision their forwards score at; `with_reference`: score π_ref
+    (only where a loss reads it: β > 0); `equal_count` (a sharded model, whose every forward and
+    backward is a collective): maps this rank's number of micro-batches to the number every rank
+    runs."""
 
     tokenizer: object
     token_budget: int
@@ -365,18 +455,18 @@ class Scoring:
 
 def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=None, with_old=True):
     """A step's rows (or only `rows`, a mini-batch) as micro-batches of at most
-    `scoring.token_budget` packed tokens (`micro_batches`); MicroBatch.rows index the step's rows.
+    `scoring.token_budget` computed tokens (`micro_batches`, `pack_micro_batch`); MicroBatch.rows
+    index the step's rows.
 
-    Each is packed, with the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None)
-    placed on its mask. When `scoring.model` is given: with `with_old`, π_old = the trainer's own
-    no-grad forward of the same ids in the same mode and precision as the update's (a bf16
-    `generate` rounds differently and stays a diagnostic only) — needed only where samples are
-    reused (several mini-batches or epochs); an on-policy update leaves it None and takes its own
+    Each carries the sampler's log-probs (`sampler_logps`, one 1-D tensor per row, or None) placed
+    on its mask. When `scoring.model` is given: with `with_old`, π_old = the trainer's own no-grad
+    forward of the same tokens in the same mode and precision as the update's (a bf16 `generate`
+    rounds differently and stays a diagnostic only) — needed only where samples are reused
+    (several mini-batches or epochs); an on-policy update leaves it None and takes its own
     logp.detach(), the same numbers without a second forward. With `scoring.with_reference`, π_ref
     (the frozen `reference`, else `model` with its adapter off). With `scoring.equal_count`, empty
-    micro-batches (no rows, one masked-out token) are appended up to the count every rank runs."""
+    micro-batches are appended up to the count every rank runs."""
     tokenizer, device, model = scoring.tokenizer, scoring.device, scoring.model
-    temperature = scoring.temperature
     subset = list(range(len(prompts))) if rows is None else rows
     packed = []
     if subset:  # an empty mini-batch (fewer rows than mini-batches) has none
@@ -391,28 +481,32 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
         packed += [[]] * (scoring.equal_count(len(packed)) - len(packed))
     out = []
     for rows in packed:
+        mb = empty_micro_batch(tokenizer, device)
         if rows:
-            ids, attn, mask = pack_completions(
-                tokenizer, [prompts[r] for r in rows], [completions[r] for r in rows], device
-            )
-        else:  # padding: a one-token prompt and a one-token completion, masked out
-            ids = torch.full((1, 2), tokenizer.pad_token_id or 0, device=device)
-            attn, mask = torch.ones_like(ids), torch.zeros(1, 1, device=device)
-        mb = MicroBatch(rows, ids, attn, mask)
+            texts, ids = [prompts[r] for r in rows], [completions[r] for r in rows]
+            mb = pack_micro_batch(tokenizer, texts, ids, device, rows)
         if sampler_logps is not None:
-            mb.sampler_logp = place_logprobs(mask, [sampler_logps[r] for r in rows])
+            mb.sampler_logp = place_logprobs(mb.mask, [sampler_logps[r] for r in rows])
         if model is not None:
             with torch.no_grad(), training_autocast(device, scoring.precision):
                 if with_old:
-                    mb.old_logp = completion_logprobs(
-                        model, ids, attn, mask.shape[1], temperature=temperature
-                    )
+                    mb.old_logp = micro_batch_logprobs(model, mb, scoring.temperature)
                 if scoring.with_reference:
                     mb.ref_logp = reference_logprobs(
-                        model, scoring.reference, ids, attn, mask.shape[1], temperature=temperature
+                        model, scoring.reference, mb, scoring.temperature
                     )
         out.append(mb)
     return out
+
+
+@torch.no_grad()
+def reference_logprobs(model, reference, mb, temperature=1.0):
+    """log π_ref of a micro-batch's completions: a frozen copy when given, else `model` with its
+    LoRA adapter disabled."""
+    if reference is not None:
+        return micro_batch_logprobs(reference, mb, temperature)
+    with model.disable_adapter():
+        return micro_batch_logprobs(model, mb, temperature)
 
 
 def sampler_gap(micro_batches):

@@ -615,16 +615,14 @@ def train(args):
                 token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
                 # --fsdp: one gradient reduction, the empty micro-batches' passes (the iterator's)
                 for mb in distributed.micro_batches(model, minibatch, autocast):
-                    ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                    completion_len = mask.shape[1]
-                    prompt_len = ids.shape[1] - completion_len
+                    mask, rows = mb.mask, mb.rows
                     with autocast:
                         if args.algo == "flowrl":  # log Z reads the prompt's hidden states
-                            logp, hidden = common.completion_logprobs_and_hidden(  # (B, P+W, H)
-                                model, ids, attn, completion_len
-                            )
+                            logp, prompt_hidden, prompt_mask = common.micro_batch_forward(
+                                model, mb, prompt_states=True
+                            )  # (B, W), (B, P, H), (B, P)
                         else:
-                            logp = common.completion_logprobs(model, ids, attn, completion_len)
+                            logp = common.micro_batch_logprobs(model, mb)
                     if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                         mb.old_logp = logp.detach()
                     if args.algo == "flowrl":  # Prop. 1's TB residual, squared, weighted by w
@@ -633,9 +631,7 @@ def train(args):
                         log_ratio = logp_sum.detach() - old_sum
                         ratio = torch.exp(log_ratio)  # the unclipped π_θ(y|x)/π_old(y|x)
                         weight = importance_weight(logp_sum, old_sum, args.clip_eps)
-                        prompt_hidden = hidden[:, :prompt_len]
-                        prompt_mask = attn[:, :prompt_len].float()
-                        log_z = head(prompt_hidden, prompt_mask, args.detach_logz)  # (B,)
+                        log_z = head(prompt_hidden, prompt_mask.float(), args.detach_logz)  # (B,)
                         logp_norm = sequence_logprob(logp, mask, length_normalize=True)
                         ref_norm = sequence_logprob(mb.ref_logp, mask, length_normalize=True)
                         loss, residual = trajectory_balance_loss(

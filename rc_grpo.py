@@ -336,7 +336,7 @@ def supervised_finetune(
                 prompts, completions, sampler_logps=None, scoring=packing
             ):
                 with autocast:
-                    logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
+                    logp = common.micro_batch_logprobs(model, mb)
                 (-(logp * mb.mask).sum() / token_count).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
@@ -494,12 +494,9 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         with phases.time("update"):
             optimizer.zero_grad()
             for mb in micro_batches:
-                ids, attn, mask, rows = mb.ids, mb.attn, mb.mask, mb.rows
-                completion_len = mask.shape[1]
+                mask, rows = mb.mask, mb.rows
                 with autocast:
-                    logp = common.completion_logprobs(  # (B, W)
-                        model, ids, attn, completion_len, temperature=args.temperature
-                    )
+                    logp = common.micro_batch_logprobs(model, mb, args.temperature)  # (B, W)
                 mb.old_logp = logp.detach()  # π_old: exactly this forward
                 loss, stats = rc_grpo_loss(
                     logp,

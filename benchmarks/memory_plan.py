@@ -442,14 +442,13 @@ def flowrl_update_step(model, head, batches, micro_batches):
 
     def step():
         for mb in micro_batches(batches):
-            prompt_len = mb.ids.shape[1] - mb.mask.shape[1]
             with autocast:
-                logp, hidden = common.completion_logprobs_and_hidden(
-                    model, mb.ids, mb.attn, mb.mask.shape[1]
+                logp, prompt_hidden, prompt_mask = common.micro_batch_forward(
+                    model, mb, prompt_states=True
                 )
             logp_sum = flowrl.sequence_logprob(logp, mb.mask)
             weight = flowrl.importance_weight(logp_sum, logp_sum.detach(), 0.2)
-            log_z = head(hidden[:, :prompt_len], mb.attn[:, :prompt_len].float())
+            log_z = head(prompt_hidden, prompt_mask.float())
             loss, _ = flowrl.trajectory_balance_loss(
                 log_z,
                 flowrl.sequence_logprob(logp, mb.mask, length_normalize=True),
@@ -474,7 +473,7 @@ def lora_update_step(model, batches):
     def step():
         for mb in batches:
             with autocast:
-                logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
+                logp = common.micro_batch_logprobs(model, mb)
             (-(logp * mb.mask).sum() / mb.mask.sum()).backward()
 
     return step
@@ -531,8 +530,8 @@ def measure_lora(config, shape, rank, adapters):
 
 def packed_shape(batches):
     """(padded tokens, completion logit positions) of the largest of a step's micro-batches."""
-    largest = max(batches, key=lambda mb: mb.ids.numel())
-    return largest.ids.numel(), largest.mask.shape[0] * (largest.mask.shape[1] + 1)
+    largest = max(batches, key=lambda mb: mb.tokens)
+    return largest.tokens, largest.mask.shape[0] * (largest.mask.shape[1] + 1)
 
 
 def plan_args(shape, batches):

@@ -229,11 +229,11 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         "dists": [],
     }
     for i, prompt in enumerate(task.prompts):
-        prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        seq = torch.cat([prompt_ids.expand(len(answers), -1), answers], 1).to(model.device)
-        mask = torch.ones_like(seq)
-        logp = common.completion_logprobs(model, seq, mask, length).sum(-1).cpu()
-        ref_logp = common.reference_logprobs(model, ref_model, seq, mask, length).sum(-1).cpu()
+        every = common.pack_micro_batch(
+            tokenizer, [prompt] * len(answers), answers.tolist(), model.device
+        )
+        logp = common.micro_batch_logprobs(model, every).sum(-1).cpu()
+        ref_logp = common.reference_logprobs(model, ref_model, every).sum(-1).cpu()
         reward = torch.tensor([task.reward(i, t) for t in texts])
         log_target = torch.log_softmax(ref_logp + beta * length * reward, 0)
         pi, target = logp.exp(), log_target.exp()

@@ -346,3 +346,83 @@ def test_demo_table_reads_each_runs_own_claim(tmp_path):
     lines = sweep.demo_table(tmp_path).splitlines()
     assert len(lines) == 2
     assert lines[1].split() == ["a", "A", "goes", "up", "0.250", "→", "0.750", "3"]
+
+
+# --------------------------------------------- a shared prompt computed once, as each row whole
+
+
+def shared_rows():
+    """Six rows over three prompts of different lengths (a group of 2, one alone, a group of 3),
+    completions of different lengths: what a rollout batch looks like."""
+    tok = models.make_tokenizer(list("abcdefgh"))
+    prompts = ["a b c d", "a b c d", "e", "f g", "f g", "f g"]
+    completions = [[5, 6, 7], [5], [3, 4, 5, 6], [2, 2], [7, 1, 3], [4]]
+    return tok, prompts, completions
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_shared_prompt_gives_each_rows_loss_and_gradient(checkpointed):
+    """micro_batch_forward runs each distinct prompt once and its completions on its copied
+    cache: the log-probs, a loss and its gradient (LoRA and full weights), and the prompt states
+    log Z reads, are those of packing every row whole, within 1e-5 (float rounding); the shared
+    micro-batch computes fewer tokens. With activation checkpointing (no cache in training) each
+    row is packed whole."""
+    tok, prompts, completions = shared_rows()
+    torch.manual_seed(0)
+    model = models.add_lora(models.tiny_causal_lm(len(tok)), 4)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if checkpointed:
+        models.checkpoint_activations(model)
+    model.train()
+    weights = torch.randn(6, 4)
+
+    def loss_and_grads(logp, mask):
+        loss = (logp * mask * weights).sum()
+        model.zero_grad()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    mb = common.pack_micro_batch(tok, prompts, completions, "cpu", range(6))
+    logp, states, prompt_mask = common.micro_batch_forward(model, mb, prompt_states=True)
+    shared_loss, shared_grads = loss_and_grads(logp, mb.mask)
+    ids, attn, mask = common.pack_completions(tok, prompts, completions, "cpu")
+    plain_logp, out = common.completion_forward(model, ids, attn, 4, output_hidden_states=True)
+    plain_loss, plain_grads = loss_and_grads(plain_logp, mask)
+    assert torch.equal(mb.mask, mask)
+    torch.testing.assert_close(logp * mask, plain_logp * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_loss, plain_loss, atol=1e-5, rtol=1e-6)
+    for shared, plain in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-4)
+    prompt_part = out.hidden_states[-1][:, :-4]
+    keep = prompt_mask.bool()
+    torch.testing.assert_close(states[keep], prompt_part[keep], atol=1e-5, rtol=1e-4)
+    assert mb.tokens == 3 * 4 + 6 * 4 < ids.numel()  # 3 distinct prompts of width 4
+
+
+def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before():
+    """sample_completions prefills a group's prompt once and copies its cache to the G rows: the
+    greedy completions are `generate`'s on the rows packed whole, and seeded rows draw the same
+    tokens with the same log-probs (within rounding) as each row generated alone."""
+    from transformers import LogitsProcessorList
+
+    tok, prompts, _ = shared_rows()
+    model = models.tiny_causal_lm(len(tok)).eval()
+    greedy = common.sample_completions(model, tok, prompts, 6, temperature=0.0, stop_at_eos=False)
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    config = common.generation_config(model, tok, 6, 0.0, stop_at_eos=False)
+    whole = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1] :]
+    assert [ids for _, ids, _ in greedy] == whole.tolist()
+    seeds = [11, 12, 13, 14, 15, 16]
+    shared = common.sample_completions(model, tok, prompts, 6, stop_at_eos=False, row_seeds=seeds)
+    for prompt, seed, (_, ids, logp) in zip(prompts, seeds, shared):
+        alone = tok([prompt], return_tensors="pt", add_special_tokens=False)
+        recorder = common.SampledLogprobs(1.0, [seed])
+        config = common.generation_config(model, tok, 6, 1.0, stop_at_eos=False)
+        seq = model.generate(
+            **alone, generation_config=config, logits_processor=LogitsProcessorList([recorder])
+        )
+        recorder.collect(seq)
+        assert ids == seq[0, alone["input_ids"].shape[1] :].tolist()
+        torch.testing.assert_close(logp, torch.stack(recorder.picked, 1)[0], atol=1e-5, rtol=0)

@@ -303,13 +303,13 @@ def test_micro_batches_reduce_once_and_run_the_empty_ones_inside(monkeypatch):
         def set_requires_gradient_sync(self, sync):
             syncs.append(sync)
 
-    def forward(model, ids, attn, width):
+    def forward(model, mb):
         syncs.append("forward")
-        return weight * ids.float()
+        return weight * mb.mask
 
-    monkeypatch.setattr(common, "completion_logprobs", forward)
+    monkeypatch.setattr(common, "micro_batch_logprobs", forward)
     ids = torch.ones(1, 2)
-    minibatch = [common.MicroBatch(rows, ids, ids, ids) for rows in ([0, 1], [2], [], [])]
+    minibatch = [common.MicroBatch(rows, ids, ids, ids, ids, ids) for rows in ([0, 1], [2], [], [])]
     autocast = contextlib.nullcontext()
     yielded = [mb.rows for mb in distributed.micro_batches(Sharded(), minibatch, autocast)]
     assert yielded == [[0, 1], [2]]

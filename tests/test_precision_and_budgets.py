@@ -114,8 +114,8 @@ def test_pi_old_under_bf16_is_the_updates_own_forward_and_the_samplers_gap_is_re
         prompts, completions, sampler_logps=sampler_logps, scoring=scoring
     )
     with common.training_autocast(model.device, "bf16"):
-        logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
-    fp32 = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
+        logp = common.micro_batch_logprobs(model, mb)
+    fp32 = common.micro_batch_logprobs(model, mb)
     assert logp.requires_grad and torch.equal(logp.detach() * mb.mask, mb.old_logp * mb.mask)
     assert ((fp32.detach() - mb.old_logp) * mb.mask).abs().max() > 1e-4  # bf16 really ran
     assert common.sampler_gap([mb]) > 0  # generate's bf16 rounding: a diagnostic only
@@ -260,16 +260,18 @@ def test_loss_and_ratio_dev_are_the_steps_whatever_the_micro_batches(tmp_path, n
 
 
 def test_micro_batches_never_exceed_their_token_budget():
-    """Property: over random prompt and completion lengths, each micro-batch as packed (rows ×
-    (longest prompt + longest completion)) fits the budget, unless it is one over-long row."""
+    """Property: over random prompt and completion lengths, with prompts that repeat (a group's),
+    each micro-batch as packed (distinct prompts × longest prompt + rows × longest completion)
+    fits the budget, unless it is one over-long row."""
     rng = random.Random(0)
     tokenizer = models.make_tokenizer([f"w{i}" for i in range(50)])
     for trial in range(200):
         rows = rng.randint(1, 12)
-        prompts = [
+        pool = [
             " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randint(1, 40)))
-            for _ in range(rows)
+            for _ in range(rng.randint(1, rows))
         ]
+        prompts = sorted(rng.choice(pool) for _ in range(rows))
         completions = [[5] * rng.randint(0, 30) for _ in range(rows)]
         budget = rng.randint(1, 300)
         packing = common.Scoring(tokenizer, budget, "cpu")
@@ -278,7 +280,7 @@ def test_micro_batches_never_exceed_their_token_budget():
         )
         assert sorted(r for mb in batches for r in mb.rows) == list(range(rows))
         for mb in batches:
-            assert mb.ids.numel() <= budget or len(mb.rows) == 1, (trial, mb.ids.shape, budget)
+            assert mb.tokens <= budget or len(mb.rows) == 1, (trial, mb.tokens, budget)
 
 
 # --------------------------------------------------------------------------- generate's budget

@@ -247,7 +247,7 @@ def micro_batches(model, minibatch, autocast):
             yield mb
             continue
         with autocast:
-            logp = common.completion_logprobs(model, mb.ids, mb.attn, mb.mask.shape[1])
+            logp = common.micro_batch_logprobs(model, mb)
         (logp.sum() * 0).backward()
 
 
