@@ -172,8 +172,9 @@ class Args:
     )
     mixed_precision: str = cli.arg(
         "auto",
-        "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 on a "
-        "GPU that has it, fp32: none; weights stay fp32",
+        "forward passes: bf16 autocast (bf16: on any device, a CPU too), auto: bf16 where "
+        "the device multiplies it natively (a GPU, a CPU with AVX512-BF16 or AMX), fp32: none; "
+        "weights stay fp32; the run's config states which ran",
         ["auto", "bf16", "fp32"],
     )
     timeout: int = cli.arg(1800, "seconds a collective waits for the other ranks")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import common
 from utils import cli
 
 SD3_LORA_TARGETS = [
@@ -105,12 +106,10 @@ def load_prompts(path, flag="--prompts"):
 
 
 def weight_dtype(mixed_precision, device):
-    """The frozen weights' dtype and the autocast dtype: auto = bf16 on a GPU that has it, else
-    fp32."""
+    """The frozen weights' dtype and the autocast dtype: auto = bf16 where the device multiplies it
+    natively (`common.resolved_precision`), else fp32."""
     if mixed_precision == "auto":
-        mixed_precision = (
-            "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-        )
+        mixed_precision = common.resolved_precision(device)
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 

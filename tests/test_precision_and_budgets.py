@@ -343,3 +343,22 @@ def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
         )
         assert torch.equal(drawn, expected)
         ids = torch.cat([ids, drawn[:, None]], dim=1)
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
+    """ "auto" resolves to bf16 on a CPU with AVX512-BF16 or AMX and to fp32 on one without (where
+    bf16 matmuls are emulated, far slower than fp32); an explicit choice is kept."""
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, expected in [
+        (True, False, "bf16"),
+        (False, True, "bf16"),
+        (0, 0, "fp32"),
+    ]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert common.resolved_precision(cpu) == expected
+        autocast = common.training_autocast(cpu, "auto")
+        assert isinstance(autocast, torch.autocast) == (expected == "bf16")
+        assert common.resolved_precision(cpu, "fp32") == "fp32"
+    with pytest.raises(ValueError):
+        common.resolved_precision(cpu, "fp16")

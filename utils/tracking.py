@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import common
 from utils import distributed
 
 RUN_FILES = (  # a run is in the folder
@@ -495,6 +496,9 @@ class Run:
         self.state = (modules, optimizers, generators)
         self.total_steps, self.main_process = total_steps, main_process
         self.config = config or dataclasses.asdict(args)
+        if self.config.get("mixed_precision") == "auto":  # what it resolved to on this machine
+            device = next(next(iter(modules.values())).parameters()).device
+            self.config = self.config | {"precision": common.resolved_precision(device)}
         self.logger = None
 
     @property
