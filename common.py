@@ -119,44 +119,29 @@ def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
     """(log π of the completions (B, W), each row's prompt states (B, P, H) and their mask (B, P))
     — the states (the last layer's, what FlowRL's log Z reads) only with `prompt_states`.
 
-    Each distinct prompt runs once; its KV cache is copied to the rows that share it, their
-    completions run on top, and the backward flows through the copies into the one prompt pass:
-    the loss and gradient of packing every row whole, up to float rounding (a test), for about
-    U·P + B·W tokens instead of B·(P+W). The first completion token is scored by the prompt's
-    last logits. A model that checkpoints its layers' activations keeps no cache in training, so
-    there each row is packed whole."""
-    prompt_pos = (mb.prompt_attn.cumsum(-1) - 1).clamp(min=0)
-    width = mb.completion_ids.shape[1]
-    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        ids = torch.cat([mb.prompt_ids[mb.prompt_of], mb.completion_ids], 1)
-        attn = torch.cat([mb.prompt_attn[mb.prompt_of], mb.mask.long()], 1)
-        logp, out = completion_forward(model, ids, attn, width, temperature, prompt_states)
-        states = out.hidden_states[-1][:, :-width] if prompt_states else None
-        return logp, states, mb.prompt_attn[mb.prompt_of]
-    prompt = model(
-        input_ids=mb.prompt_ids,
-        attention_mask=mb.prompt_attn,
-        position_ids=prompt_pos,
-        use_cache=True,
-        logits_to_keep=1,
+    One forward over the micro-batch's prefix tree: each node attends to itself and its ancestors
+    at its depth's position, so every row sees exactly its own prompt and completion, and each
+    shared prefix is computed once — the loss and gradient of packing every row whole, up to float
+    rounding (a test). A completion token is scored by its predecessor's logits, which are the
+    only ones built."""
+    node = torch.arange(mb.tokens, device=mb.ids.device)
+    allowed = (node[None, :] <= node[:, None]) & (node[:, None] < mb.ends[None, :])  # (N, N)
+    allowed = allowed[None, None]  # [i, j]: j is i or one of its ancestors
+    if model.config._attn_implementation == "eager":  # eager attention adds the mask to scores
+        allowed = torch.zeros(allowed.shape, device=node.device).masked_fill(~allowed, -1e30)
+    kept = torch.unique(mb.scored_by)  # sorted
+    out = model(
+        input_ids=mb.ids,
+        attention_mask=allowed,
+        position_ids=mb.positions,
+        logits_to_keep=kept,
         output_hidden_states=prompt_states,
     )
-    cache = prompt.past_key_values
-    cache.batch_select_indices(mb.prompt_of)  # (U, ...) → (B, ...): a copy the backward sums
-    prompt_len = mb.prompt_attn.sum(-1, keepdim=True)[mb.prompt_of]  # (B, 1)
-    completion = model(
-        input_ids=mb.completion_ids,
-        attention_mask=torch.cat([mb.prompt_attn[mb.prompt_of], mb.mask.long()], 1),
-        position_ids=prompt_len + torch.arange(width, device=prompt_len.device),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    # position j scores token j + 1: the prompt's last logits score the first completion token
-    logits = torch.cat([prompt.logits[mb.prompt_of], completion.logits[:, :-1]], 1)  # (B, W, V)
+    logits = out.logits[0, torch.searchsorted(kept, mb.scored_by)]  # (B, W, V)
     if temperature != 1.0:
         logits = logits / temperature
-    states = prompt.hidden_states[-1][mb.prompt_of] if prompt_states else None
-    return token_logprobs(logits, mb.completion_ids), states, mb.prompt_attn[mb.prompt_of]
+    states = out.hidden_states[-1][0, mb.prompt_nodes] if prompt_states else None
+    return token_logprobs(logits, mb.completion_ids), states, mb.prompt_mask
 
 
 def eos_token_ids(model, tokenizer):
@@ -240,21 +225,22 @@ def generation_chunks(prompt_lengths, max_new_tokens, batch_rows, token_budget=0
     return chunks
 
 
-def prompt_cache(model, mb):
-    """The KV cache of each distinct prompt of `mb` but its last token, run once and copied to the
-    rows that share it: `generate` then runs only the last token of each row's prompt (None for
-    one-token prompts, which `generate` runs whole)."""
-    if mb.prompt_ids.shape[1] < 2:
+def prompt_cache(model, ids, attn, prompt_of):
+    """The KV cache of each distinct prompt (ids, attn: (U, P), left-padded) but its last token,
+    run once and copied to the rows that sample from it (`prompt_of`: (B,) indices): `generate`
+    then runs only the last token of each row's prompt (None for one-token prompts, which
+    `generate` runs whole)."""
+    if ids.shape[1] < 2:
         return None
-    attn = mb.prompt_attn[:, :-1]
+    attn = attn[:, :-1]
     out = model(
-        input_ids=mb.prompt_ids[:, :-1],
+        input_ids=ids[:, :-1],
         attention_mask=attn,
         position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
         logits_to_keep=1,
     )
-    out.past_key_values.batch_select_indices(mb.prompt_of)
+    out.past_key_values.batch_select_indices(prompt_of)
     return out.past_key_values
 
 
@@ -291,8 +277,11 @@ def sample_completions(
     for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
         lo, hi = chunk.start, chunk.stop
         # each distinct prompt (the G copies of a group's) is prefilled once, its cache shared
-        mb = pack_micro_batch(tokenizer, prompts[lo:hi], [[]] * (hi - lo), model.device)
-        ids, attn = mb.prompt_ids[mb.prompt_of], mb.prompt_attn[mb.prompt_of]
+        distinct = list(dict.fromkeys(prompts[lo:hi]))
+        enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
+        prompt_of = torch.tensor([distinct.index(p) for p in prompts[lo:hi]], device=model.device)
+        ids, attn = enc["input_ids"][prompt_of], enc["attention_mask"][prompt_of]
         recorder = SampledLogprobs(
             temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
         )
@@ -300,7 +289,9 @@ def sample_completions(
             seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
                 input_ids=ids,
                 attention_mask=attn,
-                past_key_values=prompt_cache(model, mb),
+                past_key_values=prompt_cache(
+                    model, enc["input_ids"], enc["attention_mask"], prompt_of
+                ),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 synced_gpus=False,
@@ -341,23 +332,71 @@ def pack_completions(tokenizer, prompts, completions, device):
     return ids.to(device), attn.to(device), comp_mask.float().to(device)
 
 
+class PrefixTree:
+    """Token sequences as one tree: each distinct prefix is one node, numbered in depth-first
+    order, so a node's descendants follow it contiguously (`end[i]`: one past its last)."""
+
+    def __init__(self):
+        self.children, self.tokens = [{}], [None]  # node 0: the empty root, never computed
+
+    def add(self, sequence):
+        """Insert `sequence`; returns its nodes (one per token) in insertion numbering."""
+        node, path = 0, []
+        for token in sequence:
+            if token not in self.children[node]:
+                self.children[node][token] = len(self.tokens)
+                self.children.append({})
+                self.tokens.append(token)
+            node = self.children[node][token]
+            path.append(node)
+        return path
+
+    def new_nodes(self, sequence):
+        """How many nodes `add(sequence)` would create."""
+        node = 0
+        for k, token in enumerate(sequence):
+            if token not in self.children[node]:
+                return len(sequence) - k
+            node = self.children[node][token]
+        return 0
+
+    def packed(self):
+        """(tokens, depths, ends, new number of each insertion-numbered node) in depth-first
+        order, the root left out."""
+        order, ends, stack = [], {}, [(0, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                ends[node] = len(order)
+                continue
+            order.append(node)
+            stack.append((node, True))
+            stack += [(child, False) for child in reversed(self.children[node].values())]
+        number = {node: k - 1 for k, node in enumerate(order)}
+        depth = {0: -1}
+        for node in order:
+            for child in self.children[node].values():
+                depth[child] = depth[node] + 1
+        kept = order[1:]
+        tokens = [self.tokens[n] for n in kept]
+        return tokens, [depth[n] for n in kept], [ends[n] - 1 for n in kept], number
+
+
 def micro_batches(tokenizer, prompts, completions, token_budget):
-    """Split rows into consecutive micro-batches whose computed size, as `pack_micro_batch` packs
-    them (each distinct prompt once × the longest prompt, plus rows × the longest completion),
-    stays within `token_budget`, so a step's peak memory does not grow with the number of
-    rollouts. A row longer than the budget gets a micro-batch of its own. Returns lists of row
-    indices."""
-    prompt_lens = [len(p) for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
-    batches, current, distinct, widest_prompt, widest_completion = [], [], set(), 0, 0
-    for row, (prompt, plen, clen) in enumerate(zip(prompts, prompt_lens, map(len, completions))):
-        prompt_tokens = len(distinct | {prompt}) * max(widest_prompt, plen)
-        completion_tokens = (len(current) + 1) * max(widest_completion, clen, 1)
-        if current and prompt_tokens + completion_tokens > token_budget:
+    """Split rows into consecutive micro-batches whose prefix tree (`pack_micro_batch`: each
+    distinct prefix of prompt + completion computed once) holds at most `token_budget` tokens, so a
+    step's peak memory does not grow with the number of rollouts. A row longer than the budget gets
+    a micro-batch of its own. Returns lists of row indices."""
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    batches, current, tree, size = [], [], PrefixTree(), 0
+    for row, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+        sequence = list(prompt) + list(completion)
+        if current and size + tree.new_nodes(sequence) > token_budget:
             batches.append(current)
-            current, distinct, widest_prompt, widest_completion = [], set(), 0, 0
+            current, tree, size = [], PrefixTree(), 0
+        size += tree.new_nodes(sequence)
+        tree.add(sequence)
         current.append(row)
-        distinct.add(prompt)
-        widest_prompt, widest_completion = max(widest_prompt, plen), max(widest_completion, clen)
     return batches + [current] if current else batches
 
 
@@ -379,16 +418,21 @@ def place_logprobs(mask, logps):
 
 @dataclasses.dataclass
 class MicroBatch:
-    """One token-bounded slice of a step's rows: their indices (`rows`); each distinct prompt once,
-    left-padded (U, P), with its attention; each row's prompt (`prompt_of`, (B,) indices into
-    them); the completions right-padded (B, W); and on their mask (B, W): the sampler's log-probs,
+    """One token-bounded slice of a step's rows (`rows`) packed as a prefix tree: each distinct
+    prefix of prompt + completion is one token of `ids` (1, N), at its depth (`positions`), whose
+    subtree ends before `ends[i]`; `scored_by` (B, W): the node whose logits score each completion
+    token (its predecessor); `prompt_nodes` (B, P) with `prompt_mask`: each row's prompt tokens;
+    the completions right-padded (B, W) with their mask; and on the mask: the sampler's log-probs,
     π_old's (the trainer's own forward before any update) and π_ref's, each None when not asked
     for."""
 
     rows: list
-    prompt_ids: torch.Tensor
-    prompt_attn: torch.Tensor
-    prompt_of: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    ends: torch.Tensor
+    scored_by: torch.Tensor
+    prompt_nodes: torch.Tensor
+    prompt_mask: torch.Tensor
     completion_ids: torch.Tensor
     mask: torch.Tensor
     sampler_logp: torch.Tensor = None
@@ -397,39 +441,57 @@ class MicroBatch:
 
     @property
     def tokens(self):
-        """The tokens its forward computes: each distinct prompt once, every row's completion."""
-        return self.prompt_ids.numel() + self.completion_ids.numel()
+        """The tokens its forward computes: each distinct prefix once."""
+        return self.ids.shape[1]
 
 
 def pack_micro_batch(tokenizer, prompts, completions, device, rows=()):
-    """Rows as a MicroBatch: a prompt that several rows share (a group's G completions, the replies
-    to one demonstration) is packed once; the completions are right-padded below it."""
-    distinct = list(dict.fromkeys(prompts))
-    tokenizer.padding_side = "left"
-    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
-    position = {prompt: u for u, prompt in enumerate(distinct)}
-    width = max(1, max(len(c) for c in completions))
-    completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id)
-    mask = torch.zeros(len(completions), width)
-    for row, ids in enumerate(completions):
-        completion_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        mask[row, : len(ids)] = 1
+    """Rows as one MicroBatch: the prefix tree of their token sequences, so a prompt shared by
+    several rows (a group's G completions, the replies to one demonstration), or the system
+    prompt and documents that open every prompt, is computed once."""
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return pack_tree(prompt_ids, completions, tokenizer.pad_token_id or 0, device, rows)
+
+
+def pack_tree(prompt_ids, completions, pad_id, device, rows=()):
+    """`pack_micro_batch` on token ids."""
+    tree = PrefixTree()
+    paths = [tree.add(list(p) + list(c)) for p, c in zip(prompt_ids, completions)]
+    tokens, depths, ends, number = tree.packed()
+    num_rows, width = len(completions), max(1, max(len(c) for c in completions))
+    prompt_width = max(len(p) for p in prompt_ids)
+    completion_ids = torch.full((num_rows, width), pad_id)
+    mask = torch.zeros(num_rows, width)
+    scored_by = torch.zeros(num_rows, width, dtype=torch.long)
+    prompt_nodes = torch.zeros(num_rows, prompt_width, dtype=torch.long)
+    prompt_mask = torch.zeros(num_rows, prompt_width, dtype=torch.long)
+    for row, (path, prompt, completion) in enumerate(zip(paths, prompt_ids, completions)):
+        nodes = torch.tensor([number[n] for n in path])
+        plen, clen = len(prompt), len(completion)
+        completion_ids[row, :clen] = torch.as_tensor(completion, dtype=torch.long)
+        mask[row, :clen] = 1
+        scored_by[row, :clen] = nodes[plen - 1 : plen + clen - 1]  # each token's predecessor
+        prompt_nodes[row, :plen] = nodes[:plen]
+        prompt_mask[row, :plen] = 1
     return MicroBatch(
         list(rows),
-        enc["input_ids"].to(device),
-        enc["attention_mask"].to(device),
-        torch.tensor([position[p] for p in prompts], device=device),
+        torch.tensor([tokens], device=device),
+        torch.tensor([depths], device=device),
+        torch.tensor(ends, device=device),
+        scored_by.to(device),
+        prompt_nodes.to(device),
+        prompt_mask.to(device),
         completion_ids.to(device),
         mask.to(device),
     )
 
 
-def empty_micro_batch(tokenizer, device):
+def empty_micro_batch(pad_id, device):
     """A micro-batch of no rows (a one-token prompt, a masked-out one-token completion): what a
     rank with fewer micro-batches runs so that every rank of a sharded model runs as many."""
-    pad = torch.full((1, 1), tokenizer.pad_token_id or 0, device=device)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    return MicroBatch([], pad, torch.ones_like(pad), zero, pad, torch.zeros(1, 1, device=device))
+    mb = pack_tree([[pad_id]], [[pad_id]], pad_id, device)
+    mb.mask.zero_()
+    return mb
 
 
 @dataclasses.dataclass
@@ -481,7 +543,7 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
         packed += [[]] * (scoring.equal_count(len(packed)) - len(packed))
     out = []
     for rows in packed:
-        mb = empty_micro_batch(tokenizer, device)
+        mb = empty_micro_batch(tokenizer.pad_token_id or 0, device)
         if rows:
             texts, ids = [prompts[r] for r in rows], [completions[r] for r in rows]
             mb = pack_micro_batch(tokenizer, texts, ids, device, rows)

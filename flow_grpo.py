@@ -48,7 +48,8 @@ Deviations and choices (numbered; "official" = the authors' released code):
 
 Precision (NOTE): bf16 autocast where the device multiplies bf16 natively (`--mixed-precision auto`:
 a GPU, a CPU with AVX512-BF16 or AMX); fp16 only with a GradScaler, since the per-step gradients
-are ~1e-9 at high noise and underflow in fp16 (measured in tests/test_flow_grpo.py). LoRA weights and optimiser state stay fp32; the SDE arithmetic is fp32.
+are ~1e-9 at high noise and underflow in fp16 (measured in tests/test_flow_grpo.py). LoRA weights
+and optimiser state stay fp32; the SDE arithmetic is fp32.
 
 Toy (CPU, under a minute after a one-time ~24 s pretraining; docs/flow_grpo.md):
     python flow_grpo.py               # ODE accuracy 0.507 → 0.995, 0.776 of the diversity kept

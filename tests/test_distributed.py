@@ -309,7 +309,7 @@ def test_micro_batches_reduce_once_and_run_the_empty_ones_inside(monkeypatch):
 
     monkeypatch.setattr(common, "micro_batch_logprobs", forward)
     ids = torch.ones(1, 2)
-    minibatch = [common.MicroBatch(rows, ids, ids, ids, ids, ids) for rows in ([0, 1], [2], [], [])]
+    minibatch = [common.MicroBatch(rows, *[ids] * 8) for rows in ([0, 1], [2], [], [])]
     autocast = contextlib.nullcontext()
     yielded = [mb.rows for mb in distributed.micro_batches(Sharded(), minibatch, autocast)]
     assert yielded == [[0, 1], [2]]

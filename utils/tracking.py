@@ -89,9 +89,9 @@ class StepMetrics:
 
 def token_counts(completions, micro_batches, epochs=1):
     """{tokens_rollout: this rank's generated tokens, tokens_update: the tokens its update's
-    forward passes compute (each distinct prompt once and the completions, unpadded) over `epochs`
+    forward passes compute (each distinct prefix once, `common.MicroBatch.tokens`) over `epochs`
     passes}."""
-    update = sum(int(mb.prompt_attn.sum() + mb.mask.sum()) for mb in micro_batches)
+    update = sum(mb.tokens for mb in micro_batches)
     return {"tokens_rollout": sum(len(c) for c in completions), "tokens_update": epochs * update}
 
 

@@ -1,0 +1,194 @@
+"""`make bench-laptop`: each laptop preset, shortened but shape-true (the preset's rollout batch,
+group, tokens and micro-batches; fewer steps), timed as the script runs it, beside this machine's
+matmul limit measured in the same process and precision.
+
+Per preset it prints wall and CPU seconds; the tokens the forwards computed (every input
+position, padding and repeats included) against the tokens the algorithm needs (per forward call,
+the distinct prefixes of its rows' real tokens: a prompt shared by G rows counts once); the
+matmul FLOPs done (every `nn.Linear`, forward and backward, counted from its shapes; attention's
+few percent left out) per wall second; and `torch.mm`'s rate at SmolLM2-135M's shapes with the
+same threads and precision. The claim is the ratios, not an absolute time.
+
+    make bench-laptop                          # all three presets, about 15 min here
+    python benchmarks/laptop.py flowrl         # one of them; --json FILE keeps the numbers
+"""
+
+import argparse
+import contextlib
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+from utils import cli  # noqa: E402
+
+# (script, preset, the shortening: fewer steps and epochs, nothing else changed)
+RUNS = {
+    "flowrl": ("flowrl", "smollm2-addition", ["--algo", "grpo", "--steps", "2"]),
+    "agentflow": (
+        "agentflow",
+        "smollm2-lookup",
+        ["--no-ablation", "--steps", "1", "--warm-start-steps", "2"],
+    ),
+    "rc_grpo": (
+        "rc_grpo",
+        "smollm2-bfcl",
+        ["--steps", "1", "--sft-epochs", "1", "--rctp-epochs", "1"],
+    ),
+}
+# SmolLM2-135M's matmuls as x @ Wᵀ: (rows, in, out) of up/gate, down, q/o, at m = 256 rows
+SHAPES = [(256, 576, 1536), (256, 1536, 576), (256, 576, 576)]
+
+
+def prefix_tokens(rows):
+    """Distinct prefixes over token sequences (nodes of their prefix tree): the tokens a forward
+    needs when every shared prefix is computed once."""
+    root, nodes = {}, 0
+    for row in rows:
+        node = root
+        for token in row:
+            if token not in node:
+                node[token], nodes = {}, nodes + 1
+            node = node[token]
+    return nodes
+
+
+class Count:
+    """Tokens computed and needed, and matmul FLOPs, gathered by hooks while a run trains."""
+
+    def __init__(self):
+        self.computed = self.needed = 0
+        self.flops = 0.0
+
+    def linear(self, module, inputs, output):
+        """2·in·out per row forward; backward: the input's gradient where it needs one, the
+        weight's where it is trained (a LoRA base: the input's only)."""
+        if not isinstance(module, torch.nn.Linear):
+            return
+        rows = inputs[0].numel() // module.in_features
+        per_pass = 2.0 * module.in_features * module.out_features * rows
+        backward = torch.is_grad_enabled() and output.requires_grad
+        self.flops += per_pass * (
+            1 + backward * (inputs[0].requires_grad + module.weight.requires_grad)
+        )
+
+    def needing(self, rows):
+        self.needed += prefix_tokens(rows)
+
+
+@contextlib.contextmanager
+def counted(count):
+    """Hooks on every module and on common's forward and sampling calls for the duration."""
+    hook = torch.nn.modules.module.register_module_forward_hook(count.linear)
+    embedding_forward = torch.nn.Embedding.forward
+
+    def embedding(module, input_ids):
+        count.computed += input_ids.numel()
+        return embedding_forward(module, input_ids)
+
+    originals = {
+        name: getattr(common, name)
+        for name in ["micro_batch_forward", "completion_forward", "sample_completions"]
+    }
+
+    def micro_batch_forward(model, mb, *a, **k):
+        prompts = [p[m.bool()].tolist() for p, m in zip(mb.prompt_ids, mb.prompt_attn)]
+        count.needing(
+            prompts[u] + c[m.bool()].tolist()
+            for u, c, m in zip(mb.prompt_of.tolist(), mb.completion_ids, mb.mask)
+        )
+        return originals["micro_batch_forward"](model, mb, *a, **k)
+
+    def completion_forward(model, input_ids, attention_mask, *a, **k):
+        count.needing(ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask))
+        return originals["completion_forward"](model, input_ids, attention_mask, *a, **k)
+
+    def sample_completions(model, tokenizer, prompts, *a, **k):
+        out = originals["sample_completions"](model, tokenizer, prompts, *a, **k)
+        encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        count.needing(p + ids for p, (_, ids, _) in zip(encoded, out))
+        return out
+
+    torch.nn.Embedding.forward = embedding
+    for name, wrapper in [
+        ("micro_batch_forward", micro_batch_forward),
+        ("completion_forward", completion_forward),
+        ("sample_completions", sample_completions),
+    ]:
+        setattr(common, name, wrapper)
+    try:
+        yield count
+    finally:
+        torch.nn.Embedding.forward = embedding_forward
+        for name, original in originals.items():
+            setattr(common, name, original)
+        hook.remove()
+
+
+def matmul_peak(precision, seconds=2.0):
+    """torch.mm's GFLOP/s at SmolLM2-135M's shapes, this process's threads, in `precision`."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    rates = []
+    for m, k, n in SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / len(SHAPES):
+            a @ b
+            calls += 1
+        rates.append(2 * m * k * n * calls / (time.perf_counter() - start) / 1e9)
+    return sum(rates) / len(rates)
+
+
+def bench(name):
+    script, preset, flags = RUNS[name]
+    module = __import__(script)
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--preset", preset, *flags, "--quiet", "--overwrite", "--out-dir", out]
+        args = cli.parse_args(module.Args, module.PRESETS, argv)
+        precision = common.resolved_precision(torch.device("cpu"), args.mixed_precision)
+        peak = matmul_peak(precision)
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        with counted(Count()) as count:
+            module.train(args)
+        wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    return {
+        "preset": f"{script} {preset}",
+        "command": " ".join([f"{script}.py", "--preset", preset, *flags]),
+        "precision": precision,
+        "threads": torch.get_num_threads(),
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "tokens_computed": count.computed,
+        "tokens_needed": count.needed,
+        "computed_per_needed": round(count.computed / max(1, count.needed), 3),
+        "gflops_per_s": round(count.flops / wall / 1e9, 1),
+        "matmul_peak_gflops_per_s": round(peak, 1),
+        "of_peak": round(count.flops / wall / 1e9 / peak, 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="*", help=f"any of {', '.join(RUNS)} (default: all)")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    cli_args = parser.parse_args()
+    unknown = sorted(set(cli_args.runs) - set(RUNS))
+    if unknown:
+        parser.error(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
+    rows = [bench(name) for name in cli_args.runs or list(RUNS)]
+    columns = ["preset", "precision", "threads", "wall_s", "cpu_s", "computed_per_needed"]
+    columns += ["gflops_per_s", "matmul_peak_gflops_per_s", "of_peak"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    if cli_args.json:
+        Path(cli_args.json).write_text(json.dumps(rows, indent=2) + "\n")
