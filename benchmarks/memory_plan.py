@@ -447,8 +447,6 @@ def flowrl_update_step(model, head, batches, micro_batches):
                 logp, hidden = common.completion_logprobs_and_hidden(
                     model, mb.ids, mb.attn, mb.mask.shape[1]
                 )
-            logp_sum = flowrl.sequence_logprob(logp, mb.mask)
-            weight = flowrl.importance_weight(logp_sum, logp_sum.detach(), 0.2)
             log_z = head(hidden[:, :prompt_len], mb.attn[:, :prompt_len].float())
             loss, _ = flowrl.trajectory_balance_loss(
                 log_z,
@@ -456,7 +454,8 @@ def flowrl_update_step(model, head, batches, micro_batches):
                 flowrl.sequence_logprob(mb.ref_logp, mb.mask, length_normalize=True),
                 torch.zeros(len(mb.rows)),
                 beta=15.0,
-                weight=weight,
+                log_ratio=torch.zeros(len(mb.rows)),  # on-policy: w = 1
+                clip_eps=0.2,
                 num_rows=num_rows,
             )
             loss.backward()

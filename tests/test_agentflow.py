@@ -50,9 +50,8 @@ def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
         num_processes, process_index = 1, 0
 
     def cut(rows_per_minibatch, step):
-        return agentflow.turn_minibatches(
-            10, rows_per_minibatch, seed=0, step=step, accelerator=OneProcess()
-        )
+        args = agentflow.Args(minibatch_rows=rows_per_minibatch, seed=0)
+        return agentflow.turn_minibatches(10, step, args, OneProcess())
 
     parts = cut(4, step=1)
     assert [len(p) for p in parts] == [4, 4, 2]
