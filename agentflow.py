@@ -87,6 +87,7 @@ Sample from the trained planner (full preset; a LoRA adapter on --model):
 
 import copy
 import dataclasses
+import functools
 import json
 import random
 from pathlib import Path
@@ -296,7 +297,7 @@ class Clip:
     dual: float = 0.0
 
 
-def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, token_count):
+def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, token_count, *, clip, beta):
     """The paper's Flow-GRPO objective (Eqs. 5–6) as a loss, per planner token t of every
     turn-sample:
     L = Σ_t [−min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·KL_t] / N_tokens,  ρ_t = π_θ/π_old.
@@ -322,16 +323,16 @@ def flow_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip, beta, to
     return loss, stats
 
 
-def turn_minibatches(num_rows, minibatch_rows, *, seed, step, accelerator):
-    """This rank's turn rows in a random order (from (seed, step, rank)), cut into mini-batches of
-    `minibatch_rows` / N rows (0: one mini-batch) as the original code cuts its shuffled batch, so a
+def turn_minibatches(num_rows, step, args, accelerator):
+    """This rank's turn rows in a random order (from (--seed, step, rank)), cut into mini-batches of
+    --minibatch-rows / N rows (0: one mini-batch) as the original code cuts its shuffled batch, so a
     step takes about Σ T_i / 64 optimiser steps. Every rank takes the same number (one all-reduce of
     the max): a rank that runs out takes empty mini-batches, which add zero gradient to the ranks'
     mean."""
-    rows_per_rank = max(1, minibatch_rows // accelerator.num_processes or num_rows)
+    rows_per_rank = max(1, args.minibatch_rows // accelerator.num_processes or num_rows)
     my_count = -(-num_rows // rows_per_rank)  # ⌈rows / rows per mini-batch⌉
     count = distributed.max_over_ranks(my_count, accelerator)
-    order_seed = distributed.sampling_seed(seed, step, accelerator.process_index)
+    order_seed = distributed.sampling_seed(args.seed, step, accelerator.process_index)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(order_seed)).tolist()
     return [order[m * rows_per_rank : (m + 1) * rows_per_rank] for m in range(count)]
 
@@ -516,8 +517,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
     optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
-    every checkpoint. Returns (sampler_dev, the Run, the last evaluation's (metrics, rollouts): the
-    trained weights', or None where no step ran)."""
+    every checkpoint. Returns (sampler_dev, the Run)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -526,8 +526,13 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     autocast = common.training_autocast(device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.queries_per_step, accelerator)
-    plan = planner_sampler(system, args.temperature, args)
-    sampling_system = system.sampling(args.temperature)  # frozen modules sample as the planner does
+    # a training rollout (Eq. 2): the planner samples at T, and the frozen modules as it does
+    rollout = functools.partial(
+        run_agent,
+        system=system.sampling(args.temperature),
+        plan=planner_sampler(system, args.temperature, args),
+        max_turns=args.max_turns,
+    )
     # π_old (where samples are reused) and π_ref scored once per rollout batch
     scoring = common.Scoring(
         tokenizer,
@@ -540,6 +545,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         with_reference=bool(args.beta),  # π_ref only where the loss reads it
     )
     clip = Clip(low=args.clip_eps, high=args.clip_eps_high, dual=args.dual_clip)
+    surrogate = functools.partial(flow_grpo_loss, clip=clip, beta=args.beta)  # Eqs. 5-6
     # TRY NOT TO MODIFY: the logger, and checkpoints of weights, optimiser, RNGs, metrics so far
     run = tracking.Run(
         out_dir,
@@ -552,8 +558,9 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         main_process=accelerator.is_main_process,
     )
     start, extra = run.resume()
-    sampler_dev, last_eval = extra.get("sampler_dev", 0.0), None
+    sampler_dev = extra.get("sampler_dev", 0.0)
     num_queries = len(system.train)
+    phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
@@ -562,7 +569,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         picked = drawn[mine.start : mine.stop].tolist()  # this rank's queries
         queries = [system.train[i] for i in picked for _ in range(args.group_size)]
         distributed.seed_rank_noise(args.seed, step, accelerator)
-        trajectories = run_agent(queries, sampling_system, plan, args.max_turns)  # Eq. 2
+        with phases.time("rollout"):
+            trajectories = rollout(queries)
 
         # 2. one outcome reward R(τ_i) per rollout, broadcast as A_i to every planner turn of τ_i
         #    (Eqs. 4 and 7)
@@ -586,76 +594,59 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         sampler_logps = [turn["old_logp"] for turn, _ in trained_turns]
         advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
-        minibatch_indices = turn_minibatches(
-            len(trained_turns),
-            args.minibatch_rows,
-            seed=args.seed,
-            step=step,
-            accelerator=accelerator,
-        )
+        minibatch_indices = turn_minibatches(len(trained_turns), step, args, accelerator)
         # else on-policy: π_old = logp.detach()
         reused = args.inner_steps > 1 or len(minibatch_indices) > 1
-        minibatches = [
-            common.scored_micro_batches(
-                prompts,
-                completions,
-                sampler_logps=sampler_logps,
-                scoring=scoring,
-                rows=rows,
-                with_old=reused,
-            )
-            for rows in minibatch_indices
-        ]
+        with phases.time("prepare"):
+            minibatches = [
+                common.scored_micro_batches(
+                    prompts,
+                    completions,
+                    sampler_logps=sampler_logps,
+                    scoring=scoring,
+                    rows=rows,
+                    with_old=reused,
+                )
+                for rows in minibatch_indices
+            ]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
         #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
         schedule = [minibatch for _ in range(args.inner_steps) for minibatch in minibatches]
         metrics = tracking.StepMetrics(num_updates=len(schedule))  # every update, micro-batch
-        for update, minibatch in enumerate(schedule):
-            optimizer.zero_grad()
-            token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
-            for mb in minibatch:
-                mask, rows = mb.mask, mb.rows
-                with autocast:
-                    logp = common.micro_batch_logprobs(planner, mb, args.temperature)  # (B, W)
-                if mb.old_logp is None:  # on-policy: π_old is exactly this forward
-                    mb.old_logp = logp.detach()
-                loss, stats = flow_grpo_loss(
-                    logp,
-                    mb.old_logp,
-                    mb.ref_logp,
-                    advantages[rows],
-                    mask,
-                    clip=clip,
-                    beta=args.beta,
-                    token_count=token_count,
-                )
-                common.check_finite(loss, step)
-                loss.backward()
-                metrics.add(len(rows), loss.item(), update=update, **stats)  # stats: ratio_dev, …
-            distributed.average_gradients(params, accelerator)  # the update's one collective
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-            common.check_finite(grad_norm, step, "gradient norm")
-            optimizer.step()
+        with phases.time("update"):
+            for update, minibatch in enumerate(schedule):
+                optimizer.zero_grad()
+                token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
+                for mb in minibatch:
+                    with autocast:
+                        logp = common.micro_batch_logprobs(planner, mb, args.temperature)  # (B, W)
+                    if mb.old_logp is None:  # on-policy: π_old is exactly this forward
+                        mb.old_logp = logp.detach()
+                    loss, stats = surrogate(
+                        logp, mb.old_logp, mb.ref_logp, advantages[mb.rows], mb.mask, token_count
+                    )
+                    common.check_finite(loss, step)
+                    loss.backward()
+                    metrics.add(len(mb.rows), loss.item(), update=update, **stats)
+                distributed.average_gradients(params, accelerator)  # the update's one collective
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                common.check_finite(grad_norm, step, "gradient norm")
+                optimizer.step()
         step_gap = common.sampler_gap(every_micro_batch)
         sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
         all_rewards = accelerator.gather(rewards.float().to(device)).cpu()  # every rank's
-        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = all_rewards.mean().item()
-        record["turn_samples"] = len(trained_turns)
-        record["zero_var_frac"] = common.zero_variance_fraction(all_rewards, args.group_size)
-        record["mean_turns"] = sum(turns) / len(turns)
-        record["grad_norm"] = grad_norm.item()
-        due = step % args.eval_every == 0 or step == args.steps
-        if system.test and due:
-            last_eval = evaluate(system, system.test, args, accelerator)
-            record |= {f"eval_{k}": v for k, v in last_eval[0].items()}
-        saved = {"sampler_dev": sampler_dev, **(keep or {})}
-        run.log(step, record, saved)
-    return sampler_dev, run, last_eval
+        record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
+        record |= {"turn_samples": len(trained_turns), "mean_turns": sum(turns) / len(turns)}
+        record["sampler_logprob_max_dev"] = sampler_dev
+        if system.test and (step % args.eval_every == 0 or step == args.steps):
+            evaluation, _ = evaluate(system, system.test, args, accelerator)
+            record |= {f"eval_{k}": v for k, v in evaluation.items()}
+        run.log(step, record, {"sampler_dev": sampler_dev, **(keep or {})})
+    return sampler_dev, run
 
 
 def train(args):
@@ -682,13 +673,10 @@ def train(args):
     else:
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
-    sampler_dev, run, last_eval = train_arm(
+    sampler_dev, run = train_arm(
         args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
     )
-    # the last step's evaluation is of the trained weights (a resumed, finished run evaluates anew)
-    after, after_rollouts = last_eval or (
-        evaluate(system, test, args, accelerator) if test else ({}, [])
-    )
+    after, after_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
     summary = (
         {f"{k}_before": v for k, v in before.items()}
         | {f"{k}_after": v for k, v in after.items()}
@@ -731,8 +719,8 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        _, ablation, last_eval = train_arm(ablation_args, system, out_dir / other, accelerator)
-        ablated = (last_eval or evaluate(system, test, args, accelerator))[0]
+        _, ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablated, _ = evaluate(system, test, args, accelerator)
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:

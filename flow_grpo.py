@@ -513,6 +513,10 @@ def train(args):
     eval_sigmas = schedule(args.eval_steps, args.shift, device)
     trained_steps = max(1, int(args.train_steps * args.timestep_fraction))  # the first 9 of 10
     objective = Objective(noise_level=args.noise_level, clip_range=args.clip_range, beta=args.beta)
+    micro_rows = args.micro_batch or len(mine) * args.group_size  # this rank's rows at a time
+    sample = functools.partial(
+        sde_rollouts, micro=micro_rows, guidance=args.guidance, noise_level=args.noise_level
+    )
     out_dir, toy = Path(args.out_dir), not args.model
     gen = torch.Generator().manual_seed(args.seed)
     run = tracking.Run(
@@ -550,21 +554,11 @@ def train(args):
         noise = batch_noise[:, my_rows].to(device)
         cond = task.encode(prompts)
         empty = task.empty(len(prompts))
-        micro_rows = args.micro_batch or len(prompts)
 
         # 2. SDE rollouts (Eq. 9) in the training micro-batch shape (DEVIATION 6):
         #    latents (T+1, n, ...) and the sampler's per-step log-probs (T, n)
         with phases.time("rollout"):
-            latents, old_logp = sde_rollouts(
-                velocity,
-                noise,
-                train_sigmas,
-                cond,
-                empty,
-                micro=micro_rows,
-                guidance=args.guidance,
-                noise_level=args.noise_level,
-            )
+            latents, old_logp = sample(velocity, noise, train_sigmas, cond, empty)
 
         # 3. rewards → group advantages (Eq. 4), shared by every step of a trajectory
         with phases.time("prepare"):
@@ -590,6 +584,7 @@ def train(args):
             if len(minibatch) or accelerator.num_processes > 1
         ]
         metrics = tracking.StepMetrics(num_updates=len(minibatches))  # each micro-batch, step j
+        grad_norm = torch.zeros(())  # logged as 0 where no optimiser step runs (every A = 0)
         with phases.time("update"):
             for m, minibatch in enumerate(minibatches):
                 optimizer.zero_grad()
@@ -631,23 +626,17 @@ def train(args):
                 # the step's one collective; then clip the true gradient (inf/NaN: skipped)
                 distributed.average_gradients(params, accelerator)
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer_steps += 1
                 ema_update(ema, params, args.ema, optimizer_steps)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        record = metrics.means()  # loss, clipfrac, kl, ratio_dev: max |ρ − 1|, ratio_dev_first
+        record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         # the first update scores what the rollout drew: on-policy its ρ is exactly 1
         sampler_dev = max(sampler_dev, record.get("ratio_dev_first", 0.0))
-        record["reward"] = all_rewards.mean().item()
-        record["reward_std"] = all_rewards.std().item()
-        zero_var = common.zero_variance_fraction(all_rewards, args.group_size)
-        record["zero_var_frac"] = zero_var
-        record["sampler_ratio_max_dev"] = sampler_dev
-        record["trained_samples"] = len(order)
-        record |= phases.seconds()  # 2, 3's decode and rewards, 4
+        record |= {"sampler_ratio_max_dev": sampler_dev, "trained_samples": len(order)}
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             with swapped(params, ema):
                 evaluation, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)

@@ -85,6 +85,7 @@ Sample from the trained policy (full preset; a plain causal LM folder, no log Z 
 
 import copy
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -277,16 +278,27 @@ PRESETS["full-7b"] = PRESETS["full"] | dict(
 # ------------------------ the math: trajectory balance with a learned log Z, and the GRPO baseline
 
 
-def trajectory_balance_loss(log_z, logp, ref_logp, reward, beta, weight, num_rows=None):
+def trajectory_balance_loss(
+    log_z, logp, ref_logp, reward, beta, *, log_ratio, clip_eps, num_rows=None
+):
     """L = (1/N)·Σ_i w_i·(log Z(x_i) + logπ_θ(y_i|x_i)/|y_i| − β·r̂_i − logπ_ref(y_i|x_i)/|y_i|)²
 
-    logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); weight: w (B,).
-    N = num_rows (the whole step's rows, so micro-batches add up to the step's mean; default B).
-    Returns (loss, residual). At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its
+    logp, ref_logp: length-normalised sequence log-probs (B,); reward: r̂ (B,); log_ratio:
+    log π_θ(y|x)/π_old(y|x) over the whole completion (B,), whose clipped exponential is w
+    (`importance_weight`). N = num_rows (the mini-batch's rows, so micro-batches add up to its
+    mean; default B). Returns (loss, stats): per row log Z, w and |residual|, and ratio_dev, the
+    largest |π_θ/π_old − 1|. At the optimum every residual is 0: π ∝ π_ref·exp(β·r) with Z its
     normaliser.
     """
+    weight = importance_weight(log_ratio, clip_eps)
     residual = log_z + logp - beta * reward - ref_logp  # Prop. 1: the TB residual
-    return (weight * residual**2).sum() / (num_rows or len(residual)), residual
+    stats = {
+        "log_z": log_z.detach(),
+        "w_mean": weight,
+        "residual_abs": residual.detach().abs(),
+        "ratio_dev": (torch.exp(log_ratio.detach()) - 1).abs().max().item(),
+    }
+    return (weight * residual**2).sum() / (num_rows or len(residual)), stats
 
 
 def sequence_logprob(token_logp, mask, length_normalize=False):
@@ -296,9 +308,10 @@ def sequence_logprob(token_logp, mask, length_normalize=False):
     return total / mask.sum(-1).clamp(min=1) if length_normalize else total
 
 
-def importance_weight(logp_sum, old_logp_sum, clip_eps):
-    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached (FlowRL's practical loss; DEVIATION 2)."""
-    return torch.exp(logp_sum - old_logp_sum).clamp(1 - clip_eps, 1 + clip_eps).detach()
+def importance_weight(log_ratio, clip_eps):
+    """w = clip(π_θ(y|x)/π_old(y|x), 1−ε, 1+ε), detached, from log_ratio = log π_θ(y|x)/π_old(y|x)
+    (FlowRL's practical loss; DEVIATION 2)."""
+    return torch.exp(log_ratio).clamp(1 - clip_eps, 1 + clip_eps).detach()
 
 
 class LogZHead(nn.Module):
@@ -340,39 +353,107 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, token_count, dual_clip
     N_tokens, with the dual clip at c·|A| for A < 0 when c > 0 (verl's).
 
     ρ_t = exp(logp − old_logp) per token; N_tokens counts the mini-batch's completion tokens
-    (token-mean), so micro-batches add up to the one-shot loss. Returns (loss, stats), the
-    clip fraction a 0-d tensor."""
+    (token-mean), so micro-batches add up to the one-shot loss. Returns (loss, stats): the clip
+    fraction (a 0-d tensor) and ratio_dev, the largest |ρ_t − 1|."""
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -advantages[:, None] * ratio
     pg_loss2 = -advantages[:, None] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_loss = common.dual_clip(torch.maximum(pg_loss1, pg_loss2), advantages[:, None], dual_clip)
-    stats = {"clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask)}
+    stats = {
+        "clipfrac": common.masked_mean((pg_loss2 > pg_loss1).float(), mask),
+        "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item(),
+    }
     return (pg_loss * mask).sum() / token_count, stats
+
+
+def row_targets(rewards, micro_batches, completions, args):
+    """Each row's target, which its arm's loss reads: TB's r̂, the group-normalised reward
+    (`--reward-norm group`, the paper) or r itself (DEVIATION 1); GRPO's A from r; GRPO-KL's A
+    from r − log(π_old/π_ref)/(β·|y|), the sequence-level KL-regularised reward whose optimum is
+    TB's target p* (DEVIATION 6)."""
+    if args.algo == "flowrl":
+        normalised = args.reward_norm == "group"
+        return common.group_advantages(rewards, args.group_size) if normalised else rewards
+    if args.algo == "grpo":
+        return common.group_advantages(rewards, args.group_size)
+    old_sums = torch.cat([sequence_logprob(mb.old_logp, mb.mask) for mb in micro_batches])
+    ref_sums = torch.cat([sequence_logprob(mb.ref_logp, mb.mask) for mb in micro_batches])
+    lengths = torch.tensor([len(c) for c in completions]).clamp(min=1)  # |y|
+    shaped = kl_regularised_reward(rewards, old_sums.cpu(), ref_sums.cpu(), lengths, args.beta)
+    return common.group_advantages(shaped, args.group_size)
+
+
+def tb_loss(mb, logp, prompt_states, reward_hat, minibatch, *, head, args):
+    """FlowRL's loss on one micro-batch (Prop. 1, the practical loss): log Z_φ(x) from the prompt's
+    last hidden states (B, P, H), w from π_θ/π_old over the whole completion, the TB residual on
+    length-normalised log-probs (DEVIATION 3), a mean over the mini-batch's rows."""
+    log_z = head(prompt_states, mb.prompt_mask.float(), args.detach_logz)
+    log_ratio = sequence_logprob(logp, mb.mask).detach() - sequence_logprob(mb.old_logp, mb.mask)
+    logp_norm = sequence_logprob(logp, mb.mask, length_normalize=True)
+    ref_norm = sequence_logprob(mb.ref_logp, mb.mask, length_normalize=True)
+    num_rows = sum(len(m.rows) for m in minibatch)
+    return trajectory_balance_loss(
+        log_z,
+        logp_norm,
+        ref_norm,
+        reward_hat,
+        args.beta,
+        log_ratio=log_ratio,
+        clip_eps=args.clip_eps,
+        num_rows=num_rows,
+    )
+
+
+def surrogate_loss(mb, logp, prompt_states, advantages, minibatch, *, args):
+    """The GRPO arms' loss on one micro-batch: the clipped surrogate on A (`grpo_loss`), a
+    token-mean over the mini-batch's completion tokens. `prompt_states` is log Z's input, which
+    GRPO has no use for: the arms share one forward."""
+    token_count = max(1, sum(int(m.mask.sum()) for m in minibatch))
+    return grpo_loss(
+        logp, mb.old_logp, advantages, mb.mask, args.clip_eps, token_count, dual_clip=args.dual_clip
+    )
 
 
 # ----------------------------------------------------------- rollouts, and an evaluation's numbers
 
 
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """A rollout batch, one row per completion, a group's G contiguous: each row's prompt index
+    and prompt, the completion's text and ids, and the sampler's log-probs of those ids."""
+
+    prompt_ids: list
+    prompts: list
+    texts: list
+    completions: list
+    sampler_logps: list
+
+
 @torch.no_grad()
-def sample_groups(model, tokenizer, prompts, *, group_size, seeds, generation, stop_at_eos):
-    """G completions of each prompt → [(text, completion ids, sampler log-probs)], a group's G
-    contiguous, in one `generate` call per --gen-batch rows.
+def sample_groups(model, tokenizer, task, picked, seeds, generation):
+    """G completions of each picked prompt (`seeds`: one per group) → Samples, in one `generate`
+    call per --gen-batch rows.
 
     Each row draws from its own generator, seeded from its group's seed: a group's samples are the
     same whichever rank draws them and whatever shares the call, so N processes sample exactly what
     one process would."""
-    row_seeds = distributed.row_seeds(seeds, group_size)
-    return common.sample_completions(
+    prompt_ids = [i for i in picked for _ in range(generation.group_size)]
+    prompts = [task.prompts[i] for i in prompt_ids]
+    drawn = common.sample_completions(
         model,
         tokenizer,
-        [prompt for prompt in prompts for _ in range(group_size)],
+        prompts,
         generation.max_new_tokens,
         temperature=generation.temperature,
-        stop_at_eos=stop_at_eos,
+        stop_at_eos=task.kind != "valleys",
         batch_rows=generation.gen_batch,
         precision=generation.mixed_precision,
-        row_seeds=row_seeds,
+        row_seeds=distributed.row_seeds(seeds, generation.group_size),
     )
+    texts = [text for text, _, _ in drawn]
+    completions = [ids for _, ids, _ in drawn]
+    sampler_logps = [logp for _, _, logp in drawn]
+    return Samples(prompt_ids, prompts, texts, completions, sampler_logps)
 
 
 def scalars(metrics, all_keys=False):
@@ -426,15 +507,16 @@ def rollout_batches(args, num_prompts):
     return args.total_epochs * per_epoch if args.total_epochs else args.steps
 
 
-def draw_prompts(step, num_prompts, *, per_step, sampling, seed, gen):
-    """The `per_step` prompt indices of rollout batch `step` (1, 2, …): uniform draws with
-    replacement from `gen` (sampling "replacement"), or the step's slice of its pass's random
-    order, each prompt once per pass ("shuffle", as the original's shuffled loader). A pass's order
-    is recomputed from (seed, pass), so a resumed run continues it."""
-    if sampling == "replacement":
+def draw_prompts(step, num_prompts, args, gen):
+    """The --prompts-per-step prompt indices of rollout batch `step` (1, 2, …): uniform draws with
+    replacement from `gen` (--sampling replacement), or the step's slice of its pass's random
+    order, each prompt once per pass (shuffle, as the original's shuffled loader). A pass's order
+    is recomputed from (--seed, pass), so a resumed run continues it."""
+    per_step = args.prompts_per_step
+    if args.sampling == "replacement":
         return torch.randint(num_prompts, (per_step,), generator=gen)
     epoch, batch = divmod(step - 1, num_prompts // per_step)
-    order_seed = (seed * 1_000_003 + epoch) % 2**63
+    order_seed = (args.seed * 1_000_003 + epoch) % 2**63
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(order_seed))
     return order[batch * per_step : (batch + 1) * per_step]
 
@@ -503,6 +585,21 @@ def train(args):
     head = LogZHead(model.config.hidden_size).to(device)  # log Z_φ(x)
     optimizer, trained = make_optimizer(model, head, args)
     gen = torch.Generator().manual_seed(args.seed)
+    # the arm's loss on a micro-batch: TB (FlowRL), or the clipped surrogate (GRPO, GRPO-KL)
+    if args.algo == "flowrl":
+        arm_loss = functools.partial(tb_loss, head=head, args=args)
+    else:
+        arm_loss = functools.partial(surrogate_loss, args=args)
+    evaluate = functools.partial(
+        flowrl_tasks.evaluate,
+        model,
+        ref_model,
+        tokenizer,
+        task,
+        beta=args.beta,
+        generation=generation,
+        accelerator=accelerator,
+    )
     # TRY NOT TO MODIFY: with N processes (`accelerate launch`) each rank rolls out its block of
     # groups and the gradients are averaged once per optimiser step (distributed.average_gradients).
     mine = distributed.local_groups(args.prompts_per_step, accelerator)
@@ -520,89 +617,44 @@ def train(args):
     )
     main = accelerator.is_main_process  # every rank evaluates (sharded), rank 0 logs and writes
     start, extra = run.resume()
-    if "first" in extra:  # a resumed run: the start was evaluated before its checkpoint
-        first = extra["first"]
-    else:
-        first = flowrl_tasks.evaluate(
-            model,
-            ref_model,
-            tokenizer,
-            task,
-            beta=args.beta,
-            generation=generation,
-            accelerator=accelerator,
-        )
-    sampler_dev, final = extra.get("sampler_dev", 0.0), {}
+    first = extra["first"] if "first" in extra else evaluate()  # resumed: evaluated before
+    sampler_dev = extra.get("sampler_dev", 0.0)
+    # π_old = the trainer's no-grad forward before any update where samples are reused (else the
+    # update's own log-probs, detached)
+    reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
-    num_prompts = len(task.prompts)
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. sample G completions per prompt (this rank's groups), keeping the sampler's log-probs
         with phases.time("rollout"):
-            drawn = draw_prompts(
-                step,
-                num_prompts,
-                per_step=args.prompts_per_step,
-                sampling=args.sampling,
-                seed=args.seed,
-                gen=gen,
-            )
+            drawn = draw_prompts(step, len(task.prompts), args, gen)
             picked = drawn[mine.start : mine.stop].tolist()  # this rank's groups
             seeds = [distributed.sampling_seed(args.seed, step, group) for group in mine]
-            group_prompts = [task.prompts[i] for i in picked]
             with distributed.unsharded(model):  # --fsdp: gathered once, not per token
-                samples = sample_groups(
-                    model,
-                    tokenizer,
-                    group_prompts,
-                    group_size=args.group_size,
-                    seeds=seeds,
-                    generation=generation,
-                    stop_at_eos=task.kind != "valleys",
-                )
-            prompt_ids = [i for i in picked for _ in range(args.group_size)]
-            prompts = [task.prompts[i] for i in prompt_ids]
-            texts = [text for text, _, _ in samples]
-            completions = [ids for _, ids, _ in samples]
-            sampler_logps = [logp for _, _, logp in samples]
+                samples = sample_groups(model, tokenizer, task, picked, seeds, generation)
 
         # 2. rewards r
-        rewards = torch.tensor([task.reward(i, text) for i, text in zip(prompt_ids, texts)])
+        rewards = torch.tensor(list(map(task.reward, samples.prompt_ids, samples.texts)))
 
         # 3. --minibatches disjoint mini-batches, each in micro-batches of --micro-batch-tokens;
-        #    π_old = the trainer's no-grad forward before any update where samples are reused
-        #    (else the update's own log-probs, detached), π_ref once (not for GRPO)
+        #    π_old where samples are reused, π_ref once (not for GRPO)
         model.train()
-        reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
         with phases.time("prepare"):
             minibatches = [
                 common.scored_micro_batches(
-                    prompts,
-                    completions,
-                    sampler_logps=sampler_logps,
+                    samples.prompts,
+                    samples.completions,
+                    sampler_logps=samples.sampler_logps,
                     scoring=scoring,
                     rows=rows,
                     with_old=reused,
                 )
-                for rows in common.split_minibatches(len(samples), args.minibatches)
+                for rows in common.split_minibatches(len(samples.texts), args.minibatches)
             ]
         every_micro_batch = [mb for minibatch in minibatches for mb in minibatch if mb.rows]
 
-        # 4a. TB's r̂: the group-normalised reward (the paper) or r itself (DEVIATION 1)
-        reward_hat = rewards.to(device)
-        if args.reward_norm == "group":
-            reward_hat = common.group_advantages(rewards, args.group_size).to(device)
-        # 4b. GRPO's A from r; the GRPO-KL control's A from r − log(π_old/π_ref)/(β·|y|), the
-        #     sequence-level KL-regularised reward whose optimum is TB's target p* (DEVIATION 6)
-        shaped = rewards
-        if args.algo == "grpo-kl":
-            old_sums = [sequence_logprob(mb.old_logp, mb.mask) for mb in every_micro_batch]
-            ref_sums = [sequence_logprob(mb.ref_logp, mb.mask) for mb in every_micro_batch]
-            lengths = torch.tensor([len(c) for c in completions]).clamp(min=1)  # |y|
-            shaped = kl_regularised_reward(
-                rewards, torch.cat(old_sums).cpu(), torch.cat(ref_sums).cpu(), lengths, args.beta
-            )
-        advantages = common.group_advantages(shaped, args.group_size).to(device)
+        # 4. each row's target: TB's r̂ (FlowRL), or GRPO's A (GRPO, GRPO-KL)
+        targets = row_targets(rewards, every_micro_batch, samples.completions, args).to(device)
 
         # 5. inner_steps epochs of one optimiser step per mini-batch, gradients accumulated over its
         #    micro-batches; the loss is normalised over the mini-batch's rows (TB) or tokens (GRPO)
@@ -612,59 +664,18 @@ def train(args):
         with phases.time("update"):
             for update, minibatch in enumerate(schedule):
                 optimizer.zero_grad()
-                num_rows = sum(len(mb.rows) for mb in minibatch)
-                token_count = max(1, sum(int(mb.mask.sum()) for mb in minibatch))
                 # --fsdp: one gradient reduction, the empty micro-batches' passes (the iterator's)
                 for mb in distributed.micro_batches(model, minibatch, autocast):
-                    mask, rows = mb.mask, mb.rows
-                    with autocast:
-                        if args.algo == "flowrl":  # log Z reads the prompt's hidden states
-                            logp, prompt_hidden, prompt_mask = common.micro_batch_forward(
-                                model, mb, prompt_states=True
-                            )  # (B, W), (B, P, H), (B, P)
-                        else:
-                            logp = common.micro_batch_logprobs(model, mb)
+                    with autocast:  # log π_θ (B, W) and the prompt states log Z reads (B, P, H)
+                        logp, prompt_states, _ = common.micro_batch_forward(
+                            model, mb, prompt_states=True
+                        )
                     if mb.old_logp is None:  # on-policy: π_old is exactly this forward
                         mb.old_logp = logp.detach()
-                    if args.algo == "flowrl":  # Prop. 1's TB residual, squared, weighted by w
-                        logp_sum = sequence_logprob(logp, mask)
-                        old_sum = sequence_logprob(mb.old_logp, mask)
-                        log_ratio = logp_sum.detach() - old_sum
-                        ratio = torch.exp(log_ratio)  # the unclipped π_θ(y|x)/π_old(y|x)
-                        weight = importance_weight(logp_sum, old_sum, args.clip_eps)
-                        log_z = head(prompt_hidden, prompt_mask.float(), args.detach_logz)  # (B,)
-                        logp_norm = sequence_logprob(logp, mask, length_normalize=True)
-                        ref_norm = sequence_logprob(mb.ref_logp, mask, length_normalize=True)
-                        loss, residual = trajectory_balance_loss(
-                            log_z,
-                            logp_norm,
-                            ref_norm,
-                            reward_hat[rows],
-                            beta=args.beta,
-                            weight=weight,
-                            num_rows=num_rows,
-                        )
-                        stats = {
-                            "log_z": log_z.detach(),
-                            "w_mean": weight,
-                            "residual_abs": residual.detach().abs(),
-                        }
-                    else:  # the clipped surrogate pg_loss1/pg_loss2 on A
-                        log_ratio = (logp.detach() - mb.old_logp) * mask
-                        ratio = torch.exp(log_ratio)  # per token
-                        loss, stats = grpo_loss(
-                            logp,
-                            mb.old_logp,
-                            advantages[rows],
-                            mask,
-                            clip_eps=args.clip_eps,
-                            token_count=token_count,
-                            dual_clip=args.dual_clip,
-                        )
+                    loss, stats = arm_loss(mb, logp, prompt_states, targets[mb.rows], minibatch)
                     common.check_finite(loss, step)
                     loss.backward()
-                    ratio_dev = (ratio - 1).abs().max().item()
-                    metrics.add(len(rows), loss.item(), ratio_dev, update=update, **stats)
+                    metrics.add(len(mb.rows), loss.item(), update=update, **stats)
                 distributed.average_gradients(trained, accelerator)  # the update's one collective
                 grad_norm = distributed.clip_grad_norm(trained, 1.0)  # log Z head included
                 common.check_finite(grad_norm, step, "gradient norm")
@@ -674,38 +685,15 @@ def train(args):
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         all_rewards = accelerator.gather(rewards.to(device)).cpu()  # every rank's
-        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = all_rewards.mean().item()
-        record["reward_std"] = all_rewards.std().item()
-        record["zero_var_frac"] = common.zero_variance_fraction(all_rewards, args.group_size)
-        record["grad_norm"] = grad_norm.item()
-        record["lr"] = optimizer.param_groups[0]["lr"]
-        record |= phases.seconds()  # 1, 2-4 (π_old, π_ref), 5
-        record |= tracking.token_counts(completions, every_micro_batch, args.inner_steps)
+        record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
+        record |= tracking.token_counts(samples.completions, every_micro_batch, args.inner_steps)
+        record |= {"lr": optimizer.param_groups[0]["lr"], "sampler_logprob_max_dev": sampler_dev}
         if step % args.eval_every == 0 or step == args.steps:
-            evaluation = flowrl_tasks.evaluate(
-                model,
-                ref_model,
-                tokenizer,
-                task,
-                beta=args.beta,
-                generation=generation,
-                accelerator=accelerator,
-            )
-            final = evaluation if step == args.steps else final
+            evaluation = evaluate()
             record |= scalars(evaluation)
         run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
 
-    if not final:  # resumed a finished run
-        final = flowrl_tasks.evaluate(
-            model,
-            ref_model,
-            tokenizer,
-            task,
-            beta=args.beta,
-            generation=generation,
-            accelerator=accelerator,
-        )
+    final = evaluation if start <= args.steps else evaluate()  # resumed after the last step: anew
     summary = flowrl_tasks.summary_of(
         scalars(first, all_keys=True), scalars(final, all_keys=True), args, task
     ) | {"sampler_logprob_max_dev": sampler_dev}

@@ -78,6 +78,7 @@ Sample from a trained arm (bfcl preset; a LoRA adapter on --model):
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import random
 import time
@@ -253,7 +254,7 @@ def sample_reward_tokens(n, p, generator):
     return [HIGH if d else LOW for d in draws.tolist()]  # Eq. 3: r_j ~ Bernoulli(p), i.i.d.
 
 
-def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, token_count):
+def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, token_count, *, clip_eps, beta):
     """L = Σ_t [−min(ρ_t·A, clip(ρ_t, 1−ε, 1+ε)·A) + β·KL_t] / N_tokens, ρ_t = π_θ/π_old per token
     (RC-GRPO stage 2).
 
@@ -273,6 +274,18 @@ def rc_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, beta, 
         "ratio_dev": ((ratio.detach() - 1) * mask).abs().max().item(),
     }
     return loss, stats
+
+
+def paper_statistics(outcomes, sampler_logps, token_count):
+    """{success_high, success_low: the success rate under each reward token (Prop. 4.3's ε
+    compares them), entropy: −mean log π of the sampled tokens (Table 4's)}."""
+    high = [o["reward"] for o in outcomes if o["token"] == HIGH]
+    low = [o["reward"] for o in outcomes if o["token"] == LOW]
+    return {
+        "success_high": sum(high) / max(1, len(high)),
+        "success_low": sum(low) / max(1, len(low)),
+        "entropy": -sum(logp.sum().item() for logp in sampler_logps) / token_count,
+    }
 
 
 def build_rctp_data(world, entries, args):
@@ -415,6 +428,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.tasks_per_step, accelerator)
     limits = bfcl.Limits.from_args(args)  # a rollout's token, row and step caps
+    surrogate = functools.partial(rc_grpo_loss, clip_eps=args.clip_eps, beta=args.beta)
     # π_ref scored once per step (none when β = 0)
     scoring = common.Scoring(
         tokenizer,
@@ -495,23 +509,15 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         with phases.time("update"):
             optimizer.zero_grad()
             for mb in micro_batches:
-                mask, rows = mb.mask, mb.rows
                 with autocast:
                     logp = common.micro_batch_logprobs(model, mb, args.temperature)  # (B, W)
                 mb.old_logp = logp.detach()  # π_old: exactly this forward
-                loss, stats = rc_grpo_loss(
-                    logp,
-                    mb.old_logp,
-                    mb.ref_logp,
-                    step_advantages[rows],
-                    mask,
-                    clip_eps=args.clip_eps,
-                    beta=args.beta,
-                    token_count=token_count,
+                loss, stats = surrogate(
+                    logp, mb.old_logp, mb.ref_logp, step_advantages[mb.rows], mb.mask, token_count
                 )
                 common.check_finite(loss, f"{step} of {name}")
                 loss.backward()
-                metrics.add(len(rows), loss.item(), **stats)  # stats: ratio_dev, max |ρ − 1|, …
+                metrics.add(len(mb.rows), loss.item(), **stats)  # stats: ratio_dev, max |ρ − 1|, …
             distributed.average_gradients(params, accelerator)  # the one collective of the step
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
@@ -526,21 +532,12 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         ]
         outcomes = gather_object(my_outcomes)
         all_rewards = torch.tensor([o["reward"] for o in outcomes])
-        zero_var.append(common.zero_variance_fraction(all_rewards, args.group_size))
-        high = [o["reward"] for o in outcomes if o["token"] == HIGH]
-        low = [o["reward"] for o in outcomes if o["token"] == LOW]
-        sampled_logp = [s["old_logp"].sum().item() for s, _ in model_steps]
-        entropy = -sum(sampled_logp) / token_count  # −mean log π of the sampled tokens
-        record = {"sampler_logprob_max_dev": sampler_dev, **metrics.means()}
-        record["reward"] = all_rewards.mean().item()
-        record["zero_var_frac"] = zero_var[-1]
-        record["entropy"] = entropy
-        record["success_high"] = sum(high) / max(1, len(high))
-        record["success_low"] = sum(low) / max(1, len(low))
-        record["grad_norm"] = grad_norm.item()
-        record |= phases.seconds()  # 2, 4's π_ref, the update
+        record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
+        record |= paper_statistics(outcomes, sampler_logps, token_count)  # ε, the entropy
         record |= tracking.token_counts(completions, micro_batches)
         record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
+        record["sampler_logprob_max_dev"] = sampler_dev
+        zero_var.append(record["zero_var_frac"])
         run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
     last = run.records[-10:]  # the sampled tokens' entropy over the last ten steps (Table 4's)
     result = {

@@ -443,19 +443,16 @@ def flowrl_update_step(model, head, batches, micro_batches):
     def step():
         for mb in micro_batches(batches):
             with autocast:
-                logp, prompt_hidden, prompt_mask = common.micro_batch_forward(
-                    model, mb, prompt_states=True
-                )
-            logp_sum = flowrl.sequence_logprob(logp, mb.mask)
-            weight = flowrl.importance_weight(logp_sum, logp_sum.detach(), 0.2)
-            log_z = head(prompt_hidden, prompt_mask.float())
+                logp, prompt_states, _ = common.micro_batch_forward(model, mb, prompt_states=True)
+            log_z = head(prompt_states, mb.prompt_mask.float())
             loss, _ = flowrl.trajectory_balance_loss(
                 log_z,
                 flowrl.sequence_logprob(logp, mb.mask, length_normalize=True),
                 flowrl.sequence_logprob(mb.ref_logp, mb.mask, length_normalize=True),
                 torch.zeros(len(mb.rows)),
                 beta=15.0,
-                weight=weight,
+                log_ratio=torch.zeros(len(mb.rows)),  # on-policy: w = 1
+                clip_eps=0.2,
                 num_rows=num_rows,
             )
             loss.backward()

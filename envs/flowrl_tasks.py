@@ -42,10 +42,11 @@ class Task:
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """How FlowRL generates, for its sampler and its evaluations, read off the flags of the same
-    names: the run's seed, the |y| cap, the rollout and Avg@k temperatures, the k of Avg@k, the
+    names: the run's seed, G, the |y| cap, the rollout and Avg@k temperatures, the k of Avg@k, the
     answer spread's samples, prompts per `generate` call and the forwards' precision."""
 
     seed: int
+    group_size: int
     max_new_tokens: int
     temperature: float
     eval_temperature: float

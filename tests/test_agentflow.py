@@ -50,9 +50,8 @@ def test_turn_rows_are_shuffled_into_mini_batches_of_a_fixed_row_count():
         num_processes, process_index = 1, 0
 
     def cut(rows_per_minibatch, step):
-        return agentflow.turn_minibatches(
-            10, rows_per_minibatch, seed=0, step=step, accelerator=OneProcess()
-        )
+        args = agentflow.Args(minibatch_rows=rows_per_minibatch, seed=0)
+        return agentflow.turn_minibatches(10, step, args, OneProcess())
 
     parts = cut(4, step=1)
     assert [len(p) for p in parts] == [4, 4, 2]
@@ -70,7 +69,8 @@ def test_the_loss_is_one_token_mean_per_mini_batch_not_verls_mean_of_micro_batch
     when the turns are of uneven length. Both are computed with the script's own flow_grpo_loss."""
     calls, loss_fn = [], agentflow.flow_grpo_loss
 
-    def recorded(logp, old_logp, ref_logp, advantages, mask, **kwargs):
+    def recorded(logp, old_logp, ref_logp, advantages, mask, token_count, **kwargs):
+        kwargs["token_count"] = token_count
         loss, stats = loss_fn(logp, old_logp, ref_logp, advantages, mask, **kwargs)
         calls.append([logp.detach(), old_logp, ref_logp, advantages, mask, kwargs, loss.item()])
         return loss, stats

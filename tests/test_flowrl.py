@@ -22,11 +22,15 @@ def toy_args(tmp_path, *extra):
 def test_trajectory_balance_loss_hand_numbers():
     log_z = torch.tensor([0.5, 0.5])
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
-    loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, torch.tensor([1.0, 0.5])
+    log_ratio = torch.tensor([0.0, -10.0])  # π_θ/π_old = 1 and e⁻¹⁰: w = 1 and 0.5 (clipped)
+    loss, stats = flowrl.trajectory_balance_loss(
+        log_z, logp, ref, torch.tensor([1.0, 0.0]), 2.0, log_ratio=log_ratio, clip_eps=0.5
     )
     # residuals: 0.5 − 1 − 2 + 1.5 = −1 ; 0.5 − 2 − 0 + 1 = −0.5 → mean(1·1, 0.5·0.25) = 0.5625
-    torch.testing.assert_close(residual, torch.tensor([-1.0, -0.5]))
+    torch.testing.assert_close(stats["residual_abs"], torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(stats["w_mean"], torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(stats["log_z"], log_z)
+    assert stats["ratio_dev"] == pytest.approx(1.0, abs=1e-4)  # |e⁻¹⁰ − 1|, unclipped
     assert loss.item() == pytest.approx(0.5625)
 
 
@@ -38,22 +42,23 @@ def test_loss_and_gradient_vanish_at_the_target_with_the_true_normaliser():
     log_target = torch.log_softmax(ref_seq + beta * length * reward, 0)  # π = p*
     log_z = (torch.logsumexp(ref_seq + beta * length * reward, 0) / length).requires_grad_()
     logp = (log_target / length).clone().requires_grad_()  # length-normalised
-    loss, residual = flowrl.trajectory_balance_loss(
-        log_z, logp, ref_seq / length, reward, beta, torch.ones(64)
+    on_policy = {"log_ratio": torch.zeros(64), "clip_eps": 0.2}  # w = 1
+    loss, stats = flowrl.trajectory_balance_loss(
+        log_z, logp, ref_seq / length, reward, beta, **on_policy
     )
     loss.backward()
-    assert residual.abs().max() < 1e-5 and loss.item() < 1e-10
+    assert stats["residual_abs"].max() < 1e-5 and loss.item() < 1e-10
     assert logp.grad.abs().max() < 1e-6 and log_z.grad.abs() < 1e-5
     # and a wrong normaliser is not an optimum
     loss_off, _ = flowrl.trajectory_balance_loss(
-        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, torch.ones(64)
+        log_z.detach() + 0.1, logp.detach(), ref_seq / length, reward, beta, **on_policy
     )
     assert loss_off.item() > 1e-3
 
 
 def test_importance_weight_is_clipped_and_detached():
-    logp = torch.tensor([0.0, 1.0, -1.0], requires_grad=True)
-    w = flowrl.importance_weight(logp, torch.zeros(3), 0.2)
+    log_ratio = torch.tensor([0.0, 1.0, -1.0], requires_grad=True)  # log π_θ/π_old
+    w = flowrl.importance_weight(log_ratio, 0.2)
     torch.testing.assert_close(w, torch.tensor([1.0, 1.2, 0.8]))
     assert not w.requires_grad
 
@@ -364,33 +369,23 @@ def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
     generator (a resumed run continues it); --total-epochs E makes E·⌊prompts/B⌋ rollout batches.
     --sampling replacement (the toys) is torch.randint on the rollout generator, as before."""
 
-    def draw(step, num_prompts, args, gen):
-        return flowrl.draw_prompts(
-            step,
-            num_prompts,
-            per_step=args.prompts_per_step,
-            sampling=args.sampling,
-            seed=args.seed,
-            gen=gen,
-        )
-
     args = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2)
     assert flowrl.rollout_batches(args, 10) == 4  # two passes of ⌊10/4⌋ = 2 batches
     gen = torch.Generator().manual_seed(0)
     state = gen.get_state()
-    draws = [draw(step, 10, args, gen).tolist() for step in range(1, 5)]
+    draws = [flowrl.draw_prompts(step, 10, args, gen).tolist() for step in range(1, 5)]
     assert torch.equal(gen.get_state(), state)
     for one_pass in (draws[:2], draws[2:]):
         seen = one_pass[0] + one_pass[1]
         assert len(set(seen)) == 8 and set(seen) <= set(range(10))
     assert draws[:2] != draws[2:]
-    assert draw(3, 10, args, torch.Generator()).tolist() == draws[2]
+    assert flowrl.draw_prompts(3, 10, args, torch.Generator()).tolist() == draws[2]
     seed_1 = flowrl.Args(sampling="shuffle", prompts_per_step=4, total_epochs=2, seed=1)
-    assert [draw(s, 10, seed_1, gen).tolist() for s in (1, 2)] != draws[:2]
+    assert [flowrl.draw_prompts(s, 10, seed_1, gen).tolist() for s in (1, 2)] != draws[:2]
     with pytest.raises(SystemExit, match="more than the 3 prompts"):
         flowrl.rollout_batches(args, 3)
     toy = flowrl.Args()
-    drawn = draw(1, 10, toy, torch.Generator().manual_seed(3))
+    drawn = flowrl.draw_prompts(1, 10, toy, torch.Generator().manual_seed(3))
     generator = torch.Generator().manual_seed(3)
     expected = torch.randint(10, (toy.prompts_per_step,), generator=generator)
     assert torch.equal(drawn, expected) and flowrl.rollout_batches(toy, 10) == toy.steps

@@ -86,6 +86,18 @@ class StepMetrics:
         row_means = {name: float(total / max(1, self.rows)) for name, total in self.sums.items()}
         return {"loss": self.loss, "ratio_dev": self.ratio_dev, **first, **row_means}
 
+    def record(self, rewards, group_size, grad_norm, phases):
+        """The step's record: these means, the rollout batch's reward (`rewards`: every rank's),
+        its spread and share of flat groups, the last optimiser step's gradient norm and each
+        phase's seconds."""
+        return self.means() | {
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "zero_var_frac": common.zero_variance_fraction(rewards, group_size),
+            "grad_norm": grad_norm.item(),
+            **phases.seconds(),
+        }
+
 
 def token_counts(completions, micro_batches, epochs=1):
     """{tokens_rollout: this rank's generated tokens, tokens_update: the tokens its update's
