@@ -158,7 +158,8 @@ class Args:
     lora_rank: int = cli.arg(0, "LoRA rank (full scale: needed, frozen modules = adapter off)")
     micro_batch_tokens: int = cli.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
+        "tokens per forward pass (a prefix tree: each shared prefix once); gradients accumulate "
+        "over micro-batches (bounds memory)",
     )
     gen_batch: int = cli.arg(256, "planner prompts per `generate` call")
     gen_tokens: int = cli.arg(

@@ -160,7 +160,8 @@ class Args:
     lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = cli.arg(
         4096,
-        "padded tokens per forward pass; gradients accumulate over micro-batches (bounds memory)",
+        "tokens per forward pass (a prefix tree: each shared prefix once); gradients accumulate "
+        "over micro-batches (bounds memory)",
     )
     gen_batch: int = cli.arg(64, "prompts per `generate` call")
     gradient_checkpointing: bool = cli.arg(

@@ -140,7 +140,9 @@ class Args:
     rare_share: float = cli.arg(0.15, "toy: share of tasks whose file is not in `docs`")
     lora_rank: int = cli.arg(0, "LoRA rank via peft (0 = full fine-tune)")
     micro_batch_tokens: int = cli.arg(
-        4096, "padded tokens per forward pass; gradients accumulate over micro-batches"
+        4096,
+        "tokens per forward pass (a prefix tree: each shared prefix once); gradients accumulate "
+        "over micro-batches",
     )
     gen_batch: int = cli.arg(64, "rollouts per `generate` call")
     gen_tokens: int = cli.arg(

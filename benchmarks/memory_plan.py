@@ -183,9 +183,9 @@ def rollout_terms(config, rows, prompt_tokens, new_tokens, kind, padded=True):
 
 
 def micro_batch_terms(config, tokens, completion_positions, kind):
-    """One micro-batch of `tokens` padded tokens under checkpointing, at the peak of its backward:
-    every layer's input (kept by checkpointing, and once more by output_hidden_states), plus the
-    larger of two moments: the completion logits with their fp32 copy and its gradient (the
+    """One micro-batch of `tokens` tokens (its prefix tree) under checkpointing, at the peak of its
+    backward: every layer's input (kept by checkpointing, and once more by output_hidden_states),
+    plus the larger of two moments: the completion logits with their fp32 copy and its gradient (the
     backward's start), or one layer's activations and their gradients recomputed."""
     h, layers, inter, vocab, _ = shape_of(config)
     per_inter, per_hidden = LAYER_RECOMPUTE[kind]
@@ -526,7 +526,7 @@ def measure_lora(config, shape, rank, adapters):
 
 
 def packed_shape(batches):
-    """(padded tokens, completion logit positions) of the largest of a step's micro-batches."""
+    """(tokens, completion logit positions) of the largest of a step's micro-batches."""
     largest = max(batches, key=lambda mb: mb.tokens)
     return largest.tokens, largest.mask.shape[0] * (largest.mask.shape[1] + 1)
 
