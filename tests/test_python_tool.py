@@ -1,9 +1,10 @@
 """sandbox.python_tool: model-written code runs isolated at the OS level, or not at all. Each
 hostile program below is checked from outside: no file appears anywhere we watch, no packet reaches
-a loopback listener, no process is left, no secret or gold answer is printed, no note passes from
-one call to another, and the trainer is untouched. The same holds for a trainer run by a normal
-user. Where this machine cannot isolate, the isolation tests do not run and the session's summary
-says so ("not isolated here"); the fail-closed tests run everywhere."""
+a loopback listener, no process is left, no secret or gold answer is printed, no file, key, IPC
+object or counter passes from one call to the next, no host-wide pool or quota of the trainer is
+taken, and the trainer is untouched. The same holds for a trainer run by a normal user. Where this
+machine cannot isolate, the isolation tests do not run and the session's summary says so ("not
+isolated here"); the fail-closed tests run everywhere."""
 
 import ast
 import contextlib
