@@ -33,23 +33,28 @@ from pathlib import Path
 # has; a normal trainer runs bwrap in a user namespace of its own, where the program is
 # SANDBOX_UID, mapped to the trainer's uid, and is the namespace's first process (`--as-pid-1`).
 # No capabilities, no user namespace inside. Its root holds only the dynamic libraries
-# (/usr/lib*), the interpreter and its venv (read-only, by their real paths), a minimal /dev and
-# its own /proc, all read-only, and size-capped tmpfs folders (WORK, the working directory, /tmp
-# and /dev/shm) that exist only inside it: the repository, its .git and data, runs/, home folders,
-# /run and every socket path are absent. A seccomp filter (`seccomp_filter`) forbids children,
-# namespaces, ptrace and cross-process memory, keyrings, SysV IPC, memfd, fallocate, file locks
-# and leases, inotify/fanotify/dnotify, AIO, io_uring, userfaultfd, bpf, perf, file times (the
-# bound device nodes are the host's), clearing the parent-death signal and the VSOCK/ALG sockets;
-# rlimits cap CPU, memory, locked memory, file size, open files, threads and priorities; the
-# environment is empty. Output comes back through pipes, read up to a byte cap:
-# the program holds no host file. The trainer learns the host PID of the namespace's first
-# process from bwrap (`--info-fd`) and kills it by a pidfd on every exit path: the PID namespace
-# and everything in it go with it.
+# (/usr/lib*), the interpreter and its venv (read-only, by their real paths), a minimal /dev with
+# no pty to take (/dev/pts/ptmx is /dev/null) and its own /proc, all read-only, and size-capped
+# tmpfs folders (WORK, the working directory, /tmp and /dev/shm) that exist only inside it: the
+# repository, its .git and data, runs/, home folders, /run and every socket path are absent. A
+# seccomp filter (`seccomp_filter`) forbids children, namespaces, ptrace and cross-process memory,
+# keyrings, SysV IPC, memfd, fallocate, file locks and leases, inotify/fanotify/dnotify, AIO,
+# io_uring, userfaultfd, bpf, perf, file times (the bound device nodes are the host's), clearing
+# the parent-death signal, socket(2) (socketpair stays), what reaches host-wide state: sync,
+# syncfs, pipe sizes, socket cookies and buffer sizes, and the page cache's eviction and state
+# (fadvise, readahead, cachestat, madvise's cold and page-out); rlimits cap CPU, memory, locked
+# memory, file size, open files, threads, pending signals (POSIX timers too) and priorities; the
+# environment is empty. Output comes back through pipes, read up to a byte cap and then slowly
+# (a flood costs the trainer next to nothing): the program holds no host file. The trainer learns
+# the host PID of the namespace's first process from bwrap (`--info-fd`) and kills it by a pidfd
+# on every exit path: the PID namespace and everything in it go with it.
 SANDBOX_UID = 65534  # "nobody", inside the call's own user namespace (a normal trainer)
 CALL_UIDS = (1 << 30, (1 << 31) - (1 << 16))  # a root trainer's per-call host uids: no account
 THREADS = 16  # the program's threads (RLIMIT_NPROC, counted for its uid in its namespace)
 TMPFS_MB = 16  # each of WORK, /tmp and /dev/shm: the program's total writes are bounded
 WORK = "/sandbox"  # its working folder, a tmpfs inside its namespaces
+STDERR_KEPT = 2000  # stderr's last bytes kept (its last line is the error shown)
+PAST_CAP_PAUSE = 0.05  # seconds between two reads of a stream past its cap
 REPOSITORY = Path(__file__).resolve().parents[1]
 # answer files that ship inside installed packages: present in the venv, empty in the sandbox
 PACKAGE_ANSWERS = {"bfcl_eval": "data/possible_answer"}
@@ -62,7 +67,8 @@ for limit, value in [(resource.RLIMIT_AS, int(memory_mb) * mb), (resource.RLIMIT
                      (resource.RLIMIT_FSIZE, int(file_mb) * mb), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_NPROC, int(threads)), (resource.RLIMIT_CORE, 0),
                      (resource.RLIMIT_MSGQUEUE, 0), (resource.RLIMIT_MEMLOCK, 0),
-                     (resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0)]:
+                     (resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0),
+                     (resource.RLIMIT_SIGPENDING, 64)]:
     resource.setrlimit(limit, (value, value))
 if uid != "-":  # a root trainer's call: its own host uid, no groups, no capabilities left
     os.setgroups([])
@@ -116,12 +122,20 @@ SYSCALLS = {
             "io_uring_register": 427,
             "pidfd_getfd": 438,
             "process_madvise": 440,
+            "socket": 41,
+            "readahead": 187,
+            "fadvise64": 221,
+            "sync": 162,
+            "syncfs": 306,
+            "cachestat": 451,
         },
         "clone": 56,
         "clone3": 435,
-        "socket": 41,
         "fcntl": 72,
         "prctl": 157,
+        "madvise": 28,
+        "setsockopt": 54,
+        "getsockopt": 55,
     },
     "aarch64": {
         "arch": 0xC00000B7,
@@ -157,25 +171,40 @@ SYSCALLS = {
             "io_uring_register": 427,
             "pidfd_getfd": 438,
             "process_madvise": 440,
+            "socket": 198,
+            "readahead": 213,
+            "fadvise64": 223,
+            "sync": 81,
+            "syncfs": 267,
+            "cachestat": 451,
         },
         "clone": 220,
         "clone3": 435,
-        "socket": 198,
         "fcntl": 25,
         "prctl": 167,
+        "madvise": 233,
+        "setsockopt": 208,
+        "getsockopt": 209,
     },
 }
 CLONE_THREAD = 0x10000  # clone without it makes a process: denied; with it, a thread: allowed
-DENIED_SOCKET_FAMILIES = [38, 40]  # AF_ALG, AF_VSOCK
-# F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY (dnotify)
-DENIED_FCNTL_COMMANDS = [6, 7, 37, 38, 1024, 1026]
+# F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY (dnotify), F_SETPIPE_SZ (the
+# trainer user's pipe-buffer pages are one quota, shared with its calls)
+DENIED_FCNTL_COMMANDS = [6, 7, 37, 38, 1024, 1026, 1031]
+# MADV_COLD, MADV_PAGEOUT: they evict pages of bound host files from the shared page cache
+DENIED_MADVICE = [20, 21]
+# SOL_SOCKET options of a socketpair: SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE (kernel
+# memory past the defaults), SO_COOKIE, SO_NETNS_COOKIE (host-wide counters a call could leave a
+# note in for the next)
+SOL_SOCKET, DENIED_SOCKET_OPTIONS = 1, [7, 8, 32, 33, 57, 71]
 PR_SET_PDEATHSIG, SIGKILL = 1, 9  # prctl may set the parent-death signal only to SIGKILL
 EPERM, ENOSYS = 1, 38
 
 # classic BPF, as seccomp(2) reads it: (code, jump if true, jump if false, k)
 LOAD_WORD, JUMP_EQ, JUMP_GE, JUMP_SET, RETURN = 0x20, 0x15, 0x35, 0x45, 0x06
 SECCOMP_ALLOW, SECCOMP_ERRNO, SECCOMP_KILL = 0x7FFF0000, 0x00050000, 0x80000000
-NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (little-endian)
+# offsets in struct seccomp_data (the low word of each argument, little-endian)
+NR, ARCH, ARG0, ARG1, ARG2 = 0, 4, 16, 24, 32
 
 
 def seccomp_filter(machine):
@@ -193,18 +222,18 @@ def seccomp_filter(machine):
     program += [
         (JUMP_EQ, "clone", None, table["clone"]),
         (JUMP_EQ, "enosys", None, table["clone3"]),
-        (JUMP_EQ, "socket", None, table["socket"]),
         (JUMP_EQ, "fcntl", None, table["fcntl"]),
         (JUMP_EQ, "prctl", None, table["prctl"]),
+        (JUMP_EQ, "madvise", None, table["madvise"]),
+        (JUMP_EQ, "sockopt", None, table["setsockopt"]),
+        (JUMP_EQ, "sockopt", None, table["getsockopt"]),
         (RETURN, None, None, SECCOMP_ALLOW),
         "clone",
         (LOAD_WORD, None, None, ARG0),
         (JUMP_SET, "allow", "deny", CLONE_THREAD),
-        "socket",
-        (LOAD_WORD, None, None, ARG0),
+        "fcntl",
+        (LOAD_WORD, None, None, ARG1),
     ]
-    program += [(JUMP_EQ, "deny", None, family) for family in DENIED_SOCKET_FAMILIES]
-    program += [(RETURN, None, None, SECCOMP_ALLOW), "fcntl", (LOAD_WORD, None, None, ARG1)]
     program += [(JUMP_EQ, "deny", None, command) for command in DENIED_FCNTL_COMMANDS]
     program += [
         (RETURN, None, None, SECCOMP_ALLOW),
@@ -213,7 +242,18 @@ def seccomp_filter(machine):
         (JUMP_EQ, None, "allow", PR_SET_PDEATHSIG),
         (LOAD_WORD, None, None, ARG1),
         (JUMP_EQ, "allow", "deny", SIGKILL),
+        "madvise",
+        (LOAD_WORD, None, None, ARG2),
     ]
+    program += [(JUMP_EQ, "deny", None, advice) for advice in DENIED_MADVICE]
+    program += [
+        (RETURN, None, None, SECCOMP_ALLOW),
+        "sockopt",
+        (LOAD_WORD, None, None, ARG1),
+        (JUMP_EQ, None, "allow", SOL_SOCKET),
+        (LOAD_WORD, None, None, ARG2),
+    ]
+    program += [(JUMP_EQ, "deny", None, option) for option in DENIED_SOCKET_OPTIONS]
     program += [
         "allow",
         (RETURN, None, None, SECCOMP_ALLOW),
@@ -372,6 +412,9 @@ def bwrap_command(python, prefixes, fds, memory_mb, timeout, hidden, uid):
         "/proc",
         "--dev",
         "/dev",
+        "--ro-bind",  # ptys come from a pool every container on the host shares
+        "/dev/null",
+        "/dev/pts/ptmx",
         "--ro-bind",
         "/dev/null",
         "/proc/keys",
@@ -463,22 +506,30 @@ def python_tool(code, timeout=10.0, memory_mb=1024, max_output=2000, hidden_file
 
 
 def read_capped(process, deadline, max_bytes):
-    """stdout's first `max_bytes` and stderr's last 2000 bytes, read as they come until both
-    close or the `deadline` (time.monotonic) passes; the rest is read and dropped, so the program
-    never blocks."""
+    """stdout's first `max_bytes` and stderr's last STDERR_KEPT bytes, read as they come until
+    both close or the `deadline` (time.monotonic) passes. A stream past its cap is still read, so
+    the program never blocks for good, but one pipeful per PAST_CAP_PAUSE seconds: the program
+    waits on its full pipe, and a flood costs the trainer next to no CPU."""
     kept = {process.stdout: b"", process.stderr: b""}
+    total = dict.fromkeys(kept, 0)
+    cap = {process.stdout: max_bytes, process.stderr: STDERR_KEPT}
     with selectors.DefaultSelector() as selector:
         for pipe in kept:
             selector.register(pipe, selectors.EVENT_READ)
         while selector.get_map() and time.monotonic() < deadline:
             for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                pipe = key.fileobj
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
-                    selector.unregister(key.fileobj)
-                elif key.fileobj is process.stdout:
-                    kept[process.stdout] = (kept[process.stdout] + chunk)[:max_bytes]
+                    selector.unregister(pipe)
+                    continue
+                total[pipe] += len(chunk)
+                if pipe is process.stdout:
+                    kept[pipe] = (kept[pipe] + chunk)[:max_bytes]
                 else:
-                    kept[process.stderr] = (kept[process.stderr] + chunk)[-2000:]
+                    kept[pipe] = (kept[pipe] + chunk)[-STDERR_KEPT:]
+                if total[pipe] > cap[pipe]:
+                    time.sleep(max(0.0, min(PAST_CAP_PAUSE, deadline - time.monotonic())))
         finished = not selector.get_map()
     return kept[process.stdout], kept[process.stderr], finished
 

@@ -4,6 +4,7 @@ first, then each script's own flags, model ids, data and prompt files and reward
 is in test_resume.py, beside the resume it protects."""
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import flowrl
 import rc_grpo
 from test_agentflow import tiny_planner
 from test_flow_grpo import sd3_args
-from utils import cli, models
+from utils import cli, models, tracking
 
 SCRIPTS = {"flowrl": flowrl, "flow_grpo": flow_grpo, "agentflow": agentflow, "rc_grpo": rc_grpo}
 CLIP_FLAG = {
@@ -423,3 +424,26 @@ def test_agentflow_missing_and_malformed_data_files(tmp_path):
                     ],
                 )
             )
+
+
+def test_a_resume_whose_stage_2_checkpoint_is_gone_is_one_line_and_keeps_the_metrics(tmp_path):
+    """rc_grpo --resume into a run whose stage-1 file remains but whose arm has logged steps and
+    lost its checkpoint: one line before any model is built, and the arm's metrics.jsonl (an
+    earlier run's steps) is byte-identical."""
+    stage1 = {"summary": {}, "shown": []}  # a stage-1 file that loads (with no weight to set)
+    tracking.save_checkpoint(tmp_path / "stage1.safetensors", {"rctp/w": torch.zeros(1)}, stage1)
+    metrics = tmp_path / "rctp+rc-grpo" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3)))
+    before = metrics.read_bytes()
+    tiny = ["--arms", "rctp+rc-grpo", "--steps", "1", "--tasks-per-step", "1", "--toy-tasks", "4"]
+    args = cli.parse_args(
+        rc_grpo.Args,
+        rc_grpo.PRESETS,
+        [*tiny, "--toy-test-tasks", "1", "--quiet", "--resume", "--out-dir", str(tmp_path)],
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        rc_grpo.train(args)
+    message = str(exit_info.value)
+    assert message.startswith("error: --resume") and "\n" not in message, message
+    assert "no checkpoint" in message and metrics.read_bytes() == before

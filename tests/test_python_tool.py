@@ -1,9 +1,10 @@
 """sandbox.python_tool: model-written code runs isolated at the OS level, or not at all. Each
 hostile program below is checked from outside: no file appears anywhere we watch, no packet reaches
-a loopback listener, no process is left, no secret or gold answer is printed, no note passes from
-one call to another, and the trainer is untouched. The same holds for a trainer run by a normal
-user. Where this machine cannot isolate, the isolation tests do not run and the session's summary
-says so ("not isolated here"); the fail-closed tests run everywhere."""
+a loopback listener, no process is left, no secret or gold answer is printed, no file, key, IPC
+object or counter passes from one call to the next, no host-wide pool or quota of the trainer is
+taken, and the trainer is untouched. The same holds for a trainer run by a normal user. Where this
+machine cannot isolate, the isolation tests do not run and the session's summary says so ("not
+isolated here"); the fail-closed tests run everywhere."""
 
 import ast
 import contextlib
@@ -349,6 +350,14 @@ def test_every_denied_system_call_fails_inside():
         "fcntl.fcntl(open('/usr/lib/os-release'), 1024, fcntl.F_RDLCK)",  # F_SETLEASE
         "dnotify on a host folder": "import fcntl, os\n"
         "fcntl.fcntl(os.open('/usr/lib', os.O_RDONLY), 1026, 0x80000001)",  # F_NOTIFY
+        "a unix socket": "import socket\nsocket.socket(socket.AF_UNIX)",
+        "host uevents over netlink": "import socket\n"
+        "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 15).bind((0, 1))",
+        "a socket cookie": "import socket\nsocket.socketpair()[0].getsockopt(1, 57, 8)",
+        "a socket's buffer size": "import socket\nsocket.socketpair()[0].setsockopt(1, 7, 1 << 24)",
+        "a pipe's size": "import fcntl, os\nfcntl.fcntl(os.pipe()[1], 1031, 1 << 20)",
+        "fadvise": "import os\nos.posix_fadvise(os.open('/usr/lib', os.O_RDONLY), 0, 0, 4)",
+        "page out a mapping": "import mmap\nmmap.mmap(-1, 4096).madvise(21)",  # MADV_PAGEOUT
     }
     for name, code in raising.items():
         output, ok = sandbox.python_tool(code, timeout=5)
@@ -370,15 +379,18 @@ def test_every_denied_system_call_fails_inside():
         "a new mount namespace": "unshare(0x20000)",
         "join a namespace": "syscall(308, 0, 0)",
         "clear the parent-death signal": "prctl(1, 0)",
+        "readahead of a host file": "syscall(187, 0, 0, 4096)",
+        "the page cache's state (cachestat)": "syscall(451, 0, bytes(16), bytes(48), 0)",
+        "syncfs": "syncfs(0)",
     }
     for name, call in returning.items():
         output, ok = sandbox.python_tool(f"import ctypes\nprint(ctypes.CDLL(None).{call})")
         assert (output, ok) == ("-1", True), (name, output)
     output, ok = sandbox.python_tool(
-        "import threading\nt = threading.Thread(target=print, args=('thread',))\n"
-        "t.start(); t.join()"
+        "import socket, threading\nt = threading.Thread(target=print, args=('thread',))\n"
+        "t.start(); t.join()\na, b = socket.socketpair(); a.send(b'pair'); print(b.recv(4))"
     )
-    assert (output, ok) == ("thread", True)
+    assert (output, ok) == ("thread\nb'pair'", True)
 
 
 @isolated
@@ -397,6 +409,186 @@ def test_nothing_passes_from_one_call_to_the_next():
         "print([os.path.exists(p) for p in ('/tmp/note', 'note')])"
     )
     assert "left-by-1" not in output and "[False, False]" in output, output
+
+
+@isolated
+def test_no_note_passes_through_a_socket_cookie():
+    """A host-wide counter (the socket cookie) read by one call after another advanced it would
+    carry a note: a call can read no cookie, and so can the next."""
+    write = "import socket\na, b = socket.socketpair()\nfor _ in range(300): a.getsockopt(1, 57, 8)"
+    read = "import socket, struct\nprint(struct.unpack('Q', socket.socket().getsockopt(1, 57, 8)))"
+    sandbox.python_tool(write)
+    output, ok = sandbox.python_tool(read)
+    assert not ok and "PermissionError" in output, output
+
+
+def resident_pages(path):
+    """How many of the file's pages are in the host's page cache (mincore of a mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    size = path.stat().st_size
+    pages = ctypes.create_string_buffer((size + 4095) // 4096)
+    with open(path, "rb") as file:
+        address = libc.mmap(None, size, 1, 1, file.fileno(), 0)  # PROT_READ, MAP_SHARED
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), pages) == 0
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    return sum(byte & 1 for byte in pages.raw)
+
+
+@isolated
+def test_no_note_passes_through_the_page_cache_of_a_bound_file():
+    """Pages of a bound interpreter file dropped by one call would be a note the next reads by
+    timing: after a call that asks the kernel to drop them, they are still cached (from outside).
+    A test module of sympy: a file of the bound venv that nothing imports."""
+    import sympy
+
+    path = max(Path(sympy.__file__).parent.rglob("test_*.py"), key=lambda p: p.stat().st_size)
+    path.read_bytes()  # cached
+    cached = resident_pages(path)
+    drop = (
+        f"import mmap, os\nfd = os.open({str(path)!r}, os.O_RDONLY)\n"
+        "for evict in [lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED),\n"
+        "              lambda: mmap.mmap(fd, 0, prot=mmap.PROT_READ).madvise(21)]:\n"
+        "    try:\n        evict()\n    except OSError as err:\n        print(err.errno)"
+    )
+    output, ok = sandbox.python_tool(drop)
+    assert ok and output == "1\n1", output  # EPERM, both
+    assert resident_pages(path) == cached > 0
+
+
+def dirty_pages(path):
+    """The file's dirty pages in the host's page cache (cachestat(2)), or None before Linux 6.5."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    stats = ctypes.create_string_buffer(48)  # cache, dirty, writeback, evicted, recently evicted
+    with open(path, "rb") as file:
+        if libc.syscall(451, file.fileno(), bytes(16), stats, 0):  # the whole file
+            return None
+    return int.from_bytes(stats.raw[8:16], "little")
+
+
+@isolated
+def test_sync_inside_leaves_a_dirty_file_of_ours_dirty(tmp_path):
+    """sync() and syncfs() would write back every process's dirty data on the host: a file the
+    trainer just wrote keeps its dirty pages through a call that syncs."""
+    ours = tmp_path / "dirty"
+    ours.write_bytes(os.urandom(8 << 20))
+    before = dirty_pages(ours)
+    if not before:
+        pytest.skip("no dirty page to watch here (cachestat needs Linux 6.5, a disk-backed /tmp)")
+    output, ok = sandbox.python_tool(
+        "import ctypes, os\nos.sync()\nprint(ctypes.CDLL(None).syncfs(os.open('/usr', 0)))"
+    )
+    assert (output, ok) == ("-1", True)
+    assert dirty_pages(ours) > before // 2  # the kernel's own writeback waits 30 s
+
+
+def host_pools():
+    """(ptys taken, TCP pages allocated): counters every process on the host shares."""
+    pty = int(Path("/proc/sys/kernel/pty/nr").read_text())
+    tcp = next(ln for ln in Path("/proc/net/sockstat").read_text().splitlines() if "TCP:" in ln)
+    return pty, int(tcp.split()[-1])
+
+
+@isolated
+def test_a_call_takes_no_pty_and_no_host_tcp_memory():
+    """Ptys and the TCP stack's memory are host-wide pools: during a call that asks for 16 ptys
+    and 16 loopback TCP pairs holding 2 MiB each, the host's counters barely move."""
+    program = (
+        "import os, socket, time\nptys, pairs = [], []\ntry:\n"
+        "    for _ in range(16): ptys.append(os.openpty())\nexcept OSError:\n    pass\ntry:\n"
+        "    for _ in range(16):\n        server = socket.create_server(('127.0.0.1', 0))\n"
+        "        client = socket.create_connection(server.getsockname())\n"
+        "        client.setblocking(False)\n        client.send(b'x' * (2 << 20))\n"
+        "        pairs.append((server, client, server.accept()))\nexcept OSError:\n    pass\n"
+        "print(len(ptys), len(pairs), flush=True)\ntime.sleep(2)"
+    )
+    before = host_pools()
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(result=sandbox.python_tool(program, 20)))
+    thread.start()
+    most = before
+    while thread.is_alive():
+        most = tuple(map(max, most, host_pools()))
+        time.sleep(0.05)
+    thread.join()
+    assert seen["result"] == ("0 0", True), seen
+    assert most[0] - before[0] < 8 and most[1] - before[1] < 1024, (before, most)  # 4 MiB
+
+
+QUOTAS = r"""
+import ctypes, fcntl, json, os, resource, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+# a small pending-signal quota, so that calls could use it up in a moment
+resource.setrlimit(resource.RLIMIT_SIGPENDING, (2000, 2000))
+HOG = '''
+import ctypes, fcntl, os, time
+libc, timers = ctypes.CDLL(None), 0
+while timers < 2000 and libc.timer_create(1, None, ctypes.byref(ctypes.c_void_p())) == 0:
+    timers += 1
+for _ in range(28):
+    try:
+        fcntl.fcntl(os.pipe()[1], 1031, 1 << 20)  # F_SETPIPE_SZ, 1 MiB
+    except OSError:
+        pass
+print(timers, flush=True)
+time.sleep(2)
+'''
+def trainer_can():
+    timer = ctypes.c_void_p()
+    if libc.timer_create(1, None, ctypes.byref(timer)):
+        return "timer_create " + os.strerror(ctypes.get_errno())
+    libc.timer_delete(timer)
+    read, write = os.pipe()
+    try:
+        fcntl.fcntl(write, 1031, 1 << 20)
+    except OSError as err:
+        return "F_SETPIPE_SZ " + err.strerror
+    finally:
+        os.close(read)
+        os.close(write)
+    return None
+results = []
+calls = [threading.Thread(target=lambda: results.append(sandbox.python_tool(HOG, 30)))
+         for _ in range(3)]
+for call in calls:
+    call.start()
+failures = []
+while any(call.is_alive() for call in calls):
+    failures.append(trainer_can())
+    time.sleep(0.05)
+print(json.dumps({"calls": results, "trainer": sorted({f for f in failures if f})}))
+"""
+
+
+@isolated
+def test_the_trainers_timers_and_pipes_work_during_calls():
+    """Three calls at once, each making POSIX timers and 1 MiB pipes until refused: a call makes
+    at most 64 timers (each is unreclaimable kernel memory) and the trainer's own timer_create
+    and F_SETPIPE_SZ keep working meanwhile (for a normal user they share its quotas; the
+    normal-user test runs this too)."""
+    quotas_hold(run_as(None, QUOTAS))
+
+
+def quotas_hold(output):
+    result = json.loads(output)
+    assert result["trainer"] == [], result
+    assert [ok for _, ok in result["calls"]] == [True] * 3, result
+    assert all(int(timers) <= 64 for timers, _ in result["calls"]), result
+
+
+@isolated
+def test_a_flooding_call_costs_the_trainer_little_cpu():
+    """A program that writes as fast as it can to stdout and stderr for its 3 s: the trainer's
+    thread running the call spends under 0.2 s of CPU on it."""
+    start = time.thread_time()
+    output, ok = sandbox.python_tool(
+        "import os\nwhile True:\n    os.write(1, b'x' * 65536)\n    os.write(2, b'y' * 65536)",
+        timeout=3,
+    )
+    assert output == "error: timed out after 3 s" and not ok
+    assert time.thread_time() - start < 0.2
 
 
 @isolated
@@ -451,7 +643,7 @@ def a_normal_user_can_be_made():
 def test_a_normal_user_gets_the_same_isolation():
     """A trainer run by uid 1000 (from a venv of its own holding numpy and sympy): ordinary code
     works and runs isolated; the user's own private file, its folder and the network are out of
-    reach; the host-state probes and the thread cap hold as for root."""
+    reach; the host-state probes, the thread cap and the trainer's quotas hold as for root."""
     import tempfile
 
     why_not = a_normal_user_can_be_made()
@@ -519,6 +711,9 @@ def normal_user_run(tmp_path, numpy, sympy):
     assert not (home / "pwned").exists()
     with pytest.raises(BlockingIOError):
         listener.recv(1)
+    quotas_hold(
+        run_as(1000, QUOTAS, python=str(env / "bin" / "python"), package=tmp_path / "package")
+    )
 
 
 @isolated

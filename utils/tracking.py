@@ -426,9 +426,10 @@ def load_training_state(path, modules, optimizers, generators):
 def check_out_dir(out_dir, args, accelerator):
     """Before any model is built: `out_dir` is a folder this user can write, and a run already in
     it is never overwritten by accident. Without --resume or --overwrite a folder holding a run is
-    refused; --overwrite deletes that run's files; --resume needs a readable checkpoint (an empty
-    folder starts fresh, and says so). Every refusal is one line naming the flag. Every rank checks
-    the same folder (nothing is written before all have); then the main process deletes."""
+    refused; --overwrite deletes that run's files; --resume needs a readable checkpoint, beside
+    every metrics.jsonl that holds steps (an empty folder starts fresh, and says so). Every refusal
+    is one line naming the flag. Every rank checks the same folder (nothing is written before all
+    have); then the main process deletes."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"error: --out-dir {str(out_dir)!r} is a file, not a folder")
@@ -457,6 +458,13 @@ def check_out_dir(out_dir, args, accelerator):
         )
     if args.resume and not files:
         print(f"note: --resume: {str(out_dir)!r} holds no run yet; starting fresh", file=sys.stderr)
+    # a run continues from its checkpoint alone: starting it again would cut its logged steps
+    for metrics in [p for p in files if p.name == "metrics.jsonl" and args.resume]:
+        if metrics.stat().st_size and not (metrics.parent / "checkpoint.safetensors").exists():
+            raise SystemExit(
+                f"error: --resume: {str(metrics)!r} holds steps but no checkpoint beside it to "
+                "continue them from; --overwrite starts the run again"
+            )
     for path in checkpoints:
         if args.resume:
             unreadable_checkpoint_exits(path, checkpoint_state)  # the header: no tensor read twice
