@@ -518,7 +518,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
     optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
-    every checkpoint. Returns (sampler_dev, the Run)."""
+    every checkpoint. Returns the Run; the caller evaluates the trained planner."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -559,7 +559,6 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         main_process=accelerator.is_main_process,
     )
     start, extra = run.resume()
-    sampler_dev = extra.get("sampler_dev", 0.0)
     num_queries = len(system.train)
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     for step in range(start, args.steps + 1):
@@ -610,7 +609,6 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                 )
                 for rows in minibatch_indices
             ]
-        every_micro_batch = [mb for minibatch in minibatches for mb in minibatch]  # each row once
 
         # 4. inner_steps epochs of one optimiser step per mini-batch (the same count on every rank),
         #    gradients accumulated over its micro-batches: the Flow-GRPO objective (Eqs. 5-6)
@@ -623,31 +621,28 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
                 for mb in minibatch:
                     with autocast:
                         logp = common.micro_batch_logprobs(planner, mb, args.temperature)  # (B, W)
-                    if mb.old_logp is None:  # on-policy: π_old is exactly this forward
-                        mb.old_logp = logp.detach()
+                    old_logp = common.old_logprobs(mb, logp)  # π_θ before the first update
                     loss, stats = surrogate(
-                        logp, mb.old_logp, mb.ref_logp, advantages[mb.rows], mb.mask, token_count
+                        logp, old_logp, mb.ref_logp, advantages[mb.rows], mb.mask, token_count
                     )
                     common.check_finite(loss, step)
                     loss.backward()
-                    metrics.add(len(mb.rows), loss.item(), update=update, **stats)
+                    gap = common.sampler_gap(mb, old_logp)
+                    metrics.add(len(mb.rows), loss.item(), update=update, sampler_gap=gap, **stats)
                 distributed.average_gradients(params, accelerator)  # the update's one collective
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 common.check_finite(grad_norm, step, "gradient norm")
                 optimizer.step()
-        step_gap = common.sampler_gap(every_micro_batch)
-        sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log (rewards: the whole step's, the rest rank 0's), evaluate, save
         all_rewards = accelerator.gather(rewards.float().to(device)).cpu()  # every rank's
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         record |= {"turn_samples": len(trained_turns), "mean_turns": sum(turns) / len(turns)}
-        record["sampler_logprob_max_dev"] = sampler_dev
-        if system.test and (step % args.eval_every == 0 or step == args.steps):
+        if system.test and step % args.eval_every == 0 and step < args.steps:  # the last: train's
             evaluation, _ = evaluate(system, system.test, args, accelerator)
             record |= {f"eval_{k}": v for k, v in evaluation.items()}
-        run.log(step, record, {"sampler_dev": sampler_dev, **(keep or {})})
-    return sampler_dev, run
+        run.log(step, record, keep)
+    return run
 
 
 def train(args):
@@ -674,10 +669,12 @@ def train(args):
     else:
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
-    sampler_dev, run = train_arm(
+    run = train_arm(
         args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
     )
     after, after_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
+    if run.records:  # the curves end at the trained planner
+        run.records[-1] |= {f"eval_{k}": v for k, v in after.items()}
     summary = (
         {f"{k}_before": v for k, v in before.items()}
         | {f"{k}_after": v for k, v in after.items()}
@@ -687,7 +684,7 @@ def train(args):
             "mean_turns": after.get("mean_turns"),
             "tool_error_rate": after.get("tool_error_rate"),
             "credit": args.credit,
-            "sampler_logprob_max_dev": sampler_dev,
+            "sampler_logprob_max_dev": tracking.largest(run.records, "sampler_gap"),
             # the start: the warm-started planner's sampled success in step 1, and its share of
             # flat groups (1.0: nothing to learn from)
             "start_reward": run.records[0]["reward"] if run.records else None,
@@ -720,8 +717,9 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        _, ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
         ablated, _ = evaluate(system, test, args, accelerator)
+        ablation.records[-1] |= {f"eval_{k}": v for k, v in ablated.items()}
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:

@@ -183,6 +183,10 @@ class SampledLogprobs:
         self.row_seeds, self.rngs = row_seeds, None
 
     def __call__(self, input_ids, scores):
+        if scores.isnan().any():  # diverged weights: one line, not a sampler's traceback
+            raise SystemExit(
+                "error: the policy's logits are NaN (its weights diverged); lower --lr"
+            )
         self.collect(input_ids)
         scores = scores / self.temperature
         self.last = torch.log_softmax(scores.float(), dim=-1)
@@ -571,13 +575,20 @@ def reference_logprobs(model, reference, mb, temperature=1.0):
         return micro_batch_logprobs(model, mb, temperature)
 
 
-def sampler_gap(micro_batches):
-    """max_t |log π_old - log π_sampler| over a step's micro-batches: how far the trainer's
-    forward is from what `generate` drew with (a diagnostic; bf16 kernels round differently)."""
-    return max(
-        (((mb.old_logp - mb.sampler_logp) * mb.mask).abs().max().item() for mb in micro_batches),
-        default=0.0,
-    )
+def old_logprobs(mb, logp):
+    """log π_old (B, W): π_θ before this rollout batch's first update. Where samples are reused
+    it was scored before that update (`scored_micro_batches`, with_old); on-policy it is this very
+    forward, `logp`, detached — the same numbers without a second forward."""
+    return logp.detach() if mb.old_logp is None else mb.old_logp
+
+
+def sampler_gap(mb, old_logp):
+    """max_t |log π_old − log π_sampler| over a micro-batch's completion tokens: how far the
+    trainer's forward is from what `generate` drew with (a diagnostic; bf16 kernels round
+    differently); 0 where the sampler's log-probs are not kept."""
+    if mb.sampler_logp is None:
+        return 0.0
+    return ((old_logp - mb.sampler_logp) * mb.mask).abs().max().item()
 
 
 def check_finite(value, step, what="loss"):

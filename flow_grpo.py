@@ -535,7 +535,6 @@ def train(args):
     if before is None:
         with swapped(params, ema):
             before, images_before = evaluate(task, args, velocity, eval_sigmas, accelerator, toy)
-    sampler_dev = extra.get("sampler_dev", 0.0)
     optimizer_steps = extra.get("updates", 0)  # optimiser steps so far (the EMA's clock)
     num_prompts = len(task.prompts)
     rollouts_per_epoch = args.prompts_per_epoch * args.group_size
@@ -634,16 +633,16 @@ def train(args):
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
-        # the first update scores what the rollout drew: on-policy its ρ is exactly 1
-        sampler_dev = max(sampler_dev, record.get("ratio_dev_first", 0.0))
-        record |= {"sampler_ratio_max_dev": sampler_dev, "trained_samples": len(order)}
+        record["trained_samples"] = len(order)
         if epoch % args.eval_every == 0 and epoch < args.epochs:
             with swapped(params, ema):
                 evaluation, _ = evaluate(task, args, velocity, eval_sigmas, accelerator)
             record |= {f"eval_{k}": v for k, v in evaluation.items()}
-        saved = {"before": before, "sampler_dev": sampler_dev, "updates": optimizer_steps}
+        saved = {"before": before, "updates": optimizer_steps}
         run.log(epoch, record, saved)
 
+    # the first update scores what the rollout drew: on-policy its ρ is exactly 1
+    sampler_dev = tracking.largest(run.records, "ratio_dev_first")
     if sampler_dev > 1e-5:
         print(f"WARNING: the first update's ratio ρ differs from 1 by up to {sampler_dev:.2e}")
     with swapped(params, ema):

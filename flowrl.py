@@ -384,12 +384,13 @@ def row_targets(rewards, micro_batches, completions, args):
     return common.group_advantages(shaped, args.group_size)
 
 
-def tb_loss(mb, logp, prompt_states, reward_hat, minibatch, *, head, args):
+def tb_loss(mb, logp, old_logp, prompt_states, targets, minibatch, *, head, args):
     """FlowRL's loss on one micro-batch (Prop. 1, the practical loss): log Z_φ(x) from the prompt's
     last hidden states (B, P, H), w from π_θ/π_old over the whole completion, the TB residual on
-    length-normalised log-probs (DEVIATION 3), a mean over the mini-batch's rows."""
+    length-normalised log-probs (DEVIATION 3) against its rows' r̂ (`targets`: the step's, by row),
+    a mean over the mini-batch's rows."""
     log_z = head(prompt_states, mb.prompt_mask.float(), args.detach_logz)
-    log_ratio = sequence_logprob(logp, mb.mask).detach() - sequence_logprob(mb.old_logp, mb.mask)
+    log_ratio = sequence_logprob(logp, mb.mask).detach() - sequence_logprob(old_logp, mb.mask)
     logp_norm = sequence_logprob(logp, mb.mask, length_normalize=True)
     ref_norm = sequence_logprob(mb.ref_logp, mb.mask, length_normalize=True)
     num_rows = sum(len(m.rows) for m in minibatch)
@@ -397,7 +398,7 @@ def tb_loss(mb, logp, prompt_states, reward_hat, minibatch, *, head, args):
         log_z,
         logp_norm,
         ref_norm,
-        reward_hat,
+        targets[mb.rows],
         args.beta,
         log_ratio=log_ratio,
         clip_eps=args.clip_eps,
@@ -405,13 +406,19 @@ def tb_loss(mb, logp, prompt_states, reward_hat, minibatch, *, head, args):
     )
 
 
-def surrogate_loss(mb, logp, prompt_states, advantages, minibatch, *, args):
-    """The GRPO arms' loss on one micro-batch: the clipped surrogate on A (`grpo_loss`), a
-    token-mean over the mini-batch's completion tokens. `prompt_states` is log Z's input, which
-    GRPO has no use for: the arms share one forward."""
+def surrogate_loss(mb, logp, old_logp, prompt_states, targets, minibatch, *, args):
+    """The GRPO arms' loss on one micro-batch: the clipped surrogate on its rows' A (`targets`: the
+    step's, by row; `grpo_loss`), a token-mean over the mini-batch's completion tokens.
+    `prompt_states` is log Z's input, which GRPO has no use for: the arms share one forward."""
     token_count = max(1, sum(int(m.mask.sum()) for m in minibatch))
     return grpo_loss(
-        logp, mb.old_logp, advantages, mb.mask, args.clip_eps, token_count, dual_clip=args.dual_clip
+        logp,
+        old_logp,
+        targets[mb.rows],
+        mb.mask,
+        args.clip_eps,
+        token_count,
+        dual_clip=args.dual_clip,
     )
 
 
@@ -619,7 +626,6 @@ def train(args):
     main = accelerator.is_main_process  # every rank evaluates (sharded), rank 0 logs and writes
     start, extra = run.resume()
     first = extra["first"] if "first" in extra else evaluate()  # resumed: evaluated before
-    sampler_dev = extra.get("sampler_dev", 0.0)
     # π_old = the trainer's no-grad forward before any update where samples are reused (else the
     # update's own log-probs, detached)
     reused = args.inner_steps * args.minibatches > 1 or args.algo == "grpo-kl"
@@ -671,33 +677,31 @@ def train(args):
                         logp, prompt_states, _ = common.micro_batch_forward(
                             model, mb, prompt_states=True
                         )
-                    if mb.old_logp is None:  # on-policy: π_old is exactly this forward
-                        mb.old_logp = logp.detach()
-                    loss, stats = arm_loss(mb, logp, prompt_states, targets[mb.rows], minibatch)
+                    old_logp = common.old_logprobs(mb, logp)  # π_θ before the first update
+                    loss, stats = arm_loss(mb, logp, old_logp, prompt_states, targets, minibatch)
                     common.check_finite(loss, step)
                     loss.backward()
-                    metrics.add(len(mb.rows), loss.item(), update=update, **stats)
+                    gap = common.sampler_gap(mb, old_logp)
+                    metrics.add(len(mb.rows), loss.item(), update=update, sampler_gap=gap, **stats)
                 distributed.average_gradients(trained, accelerator)  # the update's one collective
                 grad_norm = distributed.clip_grad_norm(trained, 1.0)  # log Z head included
                 common.check_finite(grad_norm, step, "gradient norm")
                 optimizer.step()
-        step_gap = common.sampler_gap(every_micro_batch)
-        sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: log the step's rewards (loss stats: rank 0's), evaluate, checkpoint
         all_rewards = accelerator.gather(rewards.to(device)).cpu()  # every rank's
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         record |= tracking.token_counts(samples.completions, every_micro_batch, args.inner_steps)
-        record |= {"lr": optimizer.param_groups[0]["lr"], "sampler_logprob_max_dev": sampler_dev}
+        record["lr"] = optimizer.param_groups[0]["lr"]
         if step % args.eval_every == 0 or step == args.steps:
             evaluation = evaluate()
             record |= scalars(evaluation)
-        run.log(step, record, {"first": scalars(first, all_keys=True), "sampler_dev": sampler_dev})
+        run.log(step, record, {"first": scalars(first, all_keys=True)})
 
     final = evaluation if start <= args.steps else evaluate()  # resumed after the last step: anew
     summary = flowrl_tasks.summary_of(
         scalars(first, all_keys=True), scalars(final, all_keys=True), args, task
-    ) | {"sampler_logprob_max_dev": sampler_dev}
+    ) | {"sampler_logprob_max_dev": tracking.largest(run.records, "sampler_gap")}
     plots = flowrl_tasks.run_plots(first, final, args, task, out_dir) if main else []
     if task.kind != "valleys":  # the log Z head stays out of the exported model
         weights = distributed.full_weights(model)  # --fsdp: gathered to rank 0; else None

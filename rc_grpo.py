@@ -455,7 +455,6 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         config=dataclasses.asdict(args) | {"arm": name},
     )
     start, extra = run.resume()
-    sampler_dev, zero_var = extra.get("sampler_dev", 0.0), extra.get("zero_var", [])
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
     num_tasks = len(world.train)
     for step in range(start, args.steps + 1):
@@ -513,19 +512,18 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
             for mb in micro_batches:
                 with autocast:
                     logp = common.micro_batch_logprobs(model, mb, args.temperature)  # (B, W)
-                mb.old_logp = logp.detach()  # π_old: exactly this forward
+                old_logp = common.old_logprobs(mb, logp)  # on-policy: this forward, detached
                 loss, stats = surrogate(
-                    logp, mb.old_logp, mb.ref_logp, step_advantages[mb.rows], mb.mask, token_count
+                    logp, old_logp, mb.ref_logp, step_advantages[mb.rows], mb.mask, token_count
                 )
                 common.check_finite(loss, f"{step} of {name}")
                 loss.backward()
-                metrics.add(len(mb.rows), loss.item(), **stats)  # stats: ratio_dev, max |ρ − 1|, …
+                gap = common.sampler_gap(mb, old_logp)
+                metrics.add(len(mb.rows), loss.item(), sampler_gap=gap, **stats)  # ratio_dev, …
             distributed.average_gradients(params, accelerator)  # the one collective of the step
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             common.check_finite(grad_norm, f"{step} of {name}", "gradient norm")
             optimizer.step()
-        step_gap = common.sampler_gap(micro_batches)
-        sampler_dev = max(sampler_dev, step_gap)
 
         # TRY NOT TO MODIFY: the whole step's tokens and rewards for the log (loss stats: rank 0's)
         my_outcomes = [
@@ -538,14 +536,12 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         record |= paper_statistics(outcomes, sampler_logps, token_count)  # ε, the entropy
         record |= tracking.token_counts(completions, micro_batches)
         record |= bfcl_toy.folder_success(outcomes, high=HIGH, low=LOW)  # the toy's; {} otherwise
-        record["sampler_logprob_max_dev"] = sampler_dev
-        zero_var.append(record["zero_var_frac"])
-        run.log(step, record, extra={"sampler_dev": sampler_dev, "zero_var": zero_var})
+        run.log(step, record)
     last = run.records[-10:]  # the sampled tokens' entropy over the last ten steps (Table 4's)
     result = {
-        "zero_variance_fraction": sum(zero_var) / len(zero_var),
+        "zero_variance_fraction": sum(r["zero_var_frac"] for r in run.records) / len(run.records),
         "entropy": sum(r["entropy"] for r in last) / len(last),
-        "sampler_logprob_max_dev": sampler_dev,
+        "sampler_logprob_max_dev": tracking.largest(run.records, "sampler_gap"),
     }
     return result, run
 

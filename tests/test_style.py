@@ -230,7 +230,8 @@ def test_project_calls_pass_few_positional_arguments():
 def test_each_loop_reads_as_its_algorithm_box():
     """Every training loop is at most 115 lines, at most 15 % of them in calls written one argument
     per line (a per-run constant is bound once above the loop, not restated each step), and no
-    loop computes a ratio or log-ratio itself: each loss returns the statistics it owns.
+    loop computes a ratio or log-ratio itself: each loss returns the statistics it owns. No script
+    writes a micro-batch's π_old, π_ref or sampler log-probs (common scores and reads them).
     FlowRL's update holds no `args.algo` test (each arm's loss is picked once, above the loop)
     and trajectory_balance_loss returns its statistics."""
     import ast
@@ -257,6 +258,14 @@ def test_each_loop_reads_as_its_algorithm_box():
             and node.id in ("ratio", "log_ratio")
         ]
         assert not ratios, (name, "a ratio computed in the loop", ratios)
+        writes = [  # π_old is chosen in one place (common.old_logprobs), never written back
+            node.lineno
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and node.attr in ("old_logp", "ref_logp", "sampler_logp")
+        ]
+        assert not writes, (name, "a micro-batch's log-probs written by the script", writes)
         if name == "flowrl.py":
             timed = [n for n in ast.walk(loop) if isinstance(n, ast.With)]
             (update,) = [n for n in timed if "phases.time('update')" in ast.unparse(n.items[0])]

@@ -238,7 +238,7 @@ class AdapterSubset:
     Trainability is restored after each call (peft's set_adapter changes it)."""
 
     def __init__(self, model, names):
-        self.model, self.names = model, names
+        self.model, self.names, self.config = model, names, model.config
 
     def __call__(self, *args, **kwargs):
         tuner = self.model.base_model

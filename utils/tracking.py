@@ -62,18 +62,20 @@ class Phases:
 class StepMetrics:
     """A step's loss statistics, added once per micro-batch and reduced once by `means()`: the loss
     summed over the step's `num_updates` optimiser steps (÷ num_updates: their mean), the largest
-    |ρ − 1| (and the first update's, when `add` is told the update's index), and every other
-    statistic as a mean over rows: a tensor per row, or one number per micro-batch weighted by its
-    rows."""
+    |ρ − 1| (and the first update's, when `add` is told the update's index), the largest gap
+    between π_old and the sampler (when `add` is given it), and every other statistic as a mean
+    over rows: a tensor per row, or one number per micro-batch weighted by its rows."""
 
     def __init__(self, num_updates=1):
         self.num_updates = num_updates
-        self.loss, self.ratio_dev, self.ratio_dev_first = 0.0, 0.0, None
+        self.loss, self.ratio_dev, self.ratio_dev_first, self.sampler_gap = 0.0, 0.0, None, None
         self.sums, self.rows = collections.defaultdict(float), 0
 
-    def add(self, rows, loss, ratio_dev, update=None, **stats):
+    def add(self, rows, loss, ratio_dev, update=None, sampler_gap=None, **stats):
         self.loss += loss / self.num_updates
         self.ratio_dev = max(self.ratio_dev, ratio_dev)
+        if sampler_gap is not None:  # π_old against the sampler (common.sampler_gap): a max
+            self.sampler_gap = max(self.sampler_gap or 0.0, sampler_gap)
         if update == 0:  # on-policy: exactly 0
             self.ratio_dev_first = self.ratio_dev
         self.rows += rows
@@ -82,9 +84,13 @@ class StepMetrics:
             self.sums[name] += mean * rows
 
     def means(self):
-        first = {} if self.ratio_dev_first is None else {"ratio_dev_first": self.ratio_dev_first}
+        maxima = {"ratio_dev": self.ratio_dev}
+        if self.ratio_dev_first is not None:
+            maxima["ratio_dev_first"] = self.ratio_dev_first
+        if self.sampler_gap is not None:
+            maxima["sampler_gap"] = self.sampler_gap
         row_means = {name: float(total / max(1, self.rows)) for name, total in self.sums.items()}
-        return {"loss": self.loss, "ratio_dev": self.ratio_dev, **first, **row_means}
+        return {"loss": self.loss, **maxima, **row_means}
 
     def record(self, rewards, group_size, grad_norm, phases):
         """The step's record: these means, the rollout batch's reward (`rewards`: every rank's),
@@ -97,6 +103,11 @@ class StepMetrics:
             "grad_norm": grad_norm.item(),
             **phases.seconds(),
         }
+
+
+def largest(records, key):
+    """The largest `key` over a run's records (0 where none has it): e.g. the run's sampler gap."""
+    return max((record[key] for record in records if key in record), default=0.0)
 
 
 def token_counts(completions, micro_batches, epochs=1):
