@@ -461,3 +461,15 @@ def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path,
     one, rank0, rank1 = drawn
     assert one[0::2] == rank0 and one[1::2] == rank1  # row r on rank r mod 2, the same draw
     assert len(set(one[:4])) > 1  # one question's 4 samples are not one sample repeated
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
+    tmp_path, tiny_chat_model, poison, what
+):
+    taken = poison(flowrl, "tb_loss", what)
+    argv = ["--preset", "smollm2-numbers", "--model", str(tiny_chat_model), "--steps", "1"]
+    argv += ["--group-size", "2", "--spread-samples", "2", "--max-new-tokens", "2"]
+    with pytest.raises(SystemExit, match=f"non-finite {what} at step 1;"):
+        flowrl.train(toy_args(tmp_path, *argv, "--device", "cpu"))
+    assert not taken
