@@ -1,6 +1,7 @@
 """flowrl.py: the TB loss on hand numbers, its optimum, exact enumeration, and the two presets end
 to end."""
 
+import dataclasses
 import itertools
 import json
 
@@ -211,6 +212,9 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
     # loads without the log Z head
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
     assert not any("net." in k for k in policy.state_dict())
+    # --eval-only, the original's separate test: the run's first evaluation of the same model
+    only = dataclasses.replace(args, eval_only=True, data="")
+    assert flowrl.evaluate_only(only) == {"avg_at_k": summary["before"]["avg_at_k"]}
 
 
 def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
@@ -394,6 +398,7 @@ def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
 def test_full_7b_runs_one_pass_at_the_originals_batch_and_evaluation_cadence(tmp_path):
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--preset", "full-7b", "--data", "x"])
     assert (args.sampling, args.total_epochs, args.eval_every) == ("shuffle", 1, 5)
+    assert (args.eval_k, args.eval_temperature) == (1, 0.0)  # the original's greedy validation
     assert args.prompts_per_step == 512 and args.warmup_steps == 10
     # ⌊rows/512⌋, the last partial batch dropped
     assert flowrl.rollout_batches(args, 34 * 512) == 34
