@@ -165,8 +165,10 @@ class Args:
     logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
     detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
     temperature: float = cli.arg(1.0, "rollout temperature (original: 1.0)")
-    eval_temperature: float = cli.arg(0.6, "Avg@k temperature (original: 0.6)")
-    eval_k: int = cli.arg(4, "k of Avg@k (original: 16)")
+    eval_temperature: float = cli.arg(
+        0.6, "Avg@k temperature (original: 0, greedy, in training; 0.6 in its test after)"
+    )
+    eval_k: int = cli.arg(4, "k of Avg@k (original: 1 in training; 16 in its test after)")
     eval_every: int = cli.arg(25, "steps between evaluations")
     eval_only: bool = cli.arg(
         False,
@@ -222,8 +224,8 @@ class Args:
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
 # for the policy and log Z, weight decay 0.1, 10 warm-up rollout batches, group-normalised r̂,
-# temperature 1 for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch
-# (DEVIATION 7).
+# temperature 1 for rollouts and 0.6 for Avg@16 (its test after training), 16 mini-batch steps per
+# rollout batch (DEVIATION 7).
 PRESETS = {
     "full": dict(
         task="math",
