@@ -43,8 +43,8 @@ demo-real: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist worksteal --durations=20
 
-# Before every commit (under a minute): the equations, properties, bad input, the tool's
-# isolation and style; no training run longer than a few seconds. `make test` before a push.
+# Before every commit (its measured time: docs/testing.md): the equations, properties, bad input,
+# the tool's isolation and style; no training run longer than a few seconds. `make test` before a push.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist worksteal -m "not slow and not real and not long"
 

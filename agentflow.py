@@ -29,9 +29,11 @@ Deviations (numbered, on purpose):
        it into micro-batches (`--micro-batch-tokens` bounds memory, not the loss). The paper writes
        (1/G)Σ_i (1/T_i)Σ_t (1/|a|)Σ_j; the original's verl 0.5.0 takes a token-mean per 4-row
        micro-batch (`ppo_micro_batch_size_per_gpu`, `train/config.yaml`), divides it by the
-       accumulation count and averages over the GPUs: a mean of micro-batch means, in which a short
-       turn's tokens weigh more when its micro-batch holds short turns (tests/test_agentflow.py
-       computes both on uneven turns).
+       accumulation count, 2 for the 8 rows a GPU's mini-batch holds (`dp_actor.py`), and averages
+       over the GPUs: for a full mini-batch a mean of micro-batch means, in which a short turn's
+       tokens weigh more when its micro-batch holds short turns (tests/test_agentflow.py computes
+       both on uneven turns). The divisor stays 2 on a partial last mini-batch (deviation 7), so
+       one of 4 rows or fewer on a GPU gets half its token-mean.
     2. The toy's modules are deterministic rules (`build_toy`); at full scale the query analyser,
        executor, verifier and generator are the base model with the LoRA adapter off (the paper's
        frozen modules, §4.1), which also writes the query analysis the planner reads. The
@@ -55,10 +57,12 @@ Deviations (numbered, on purpose):
        paper trains an instruction model that already writes it.
     7. Every turn row is trained. The original (`agentflow/verl/trainer.py`) drops the rows whose
        prompt exceeds 18 432 tokens (`data.max_prompt_length`), then floors the row count to a
-       multiple of 8 (`ppo_mini_batch_size`) and of the GPU count, dropping the rest. Here the
-       prompts stay bounded instead (each frozen module's output capped, memory fields cut at 500
-       characters), and ranks agree on a number of mini-batches (a rank short of rows takes empty
-       ones), so no row has to go and a last mini-batch may be partial.
+       multiple of 8 (`ppo_mini_batch_size`) and of the GPU count, dropping the rest; each GPU then
+       cuts its share into 8-row mini-batches, so its last one is partial unless the kept rows are
+       a multiple of 64. Here the prompts stay bounded instead (each frozen module's output capped,
+       memory fields cut at 500 characters), and ranks agree on a number of mini-batches (a rank
+       short of rows takes empty ones), so no row has to go; a last mini-batch may be partial here
+       too.
     8. Each rank shuffles its own turn rows (seeded by seed, step and rank) and cuts them into
        `--minibatch-rows`/N-row mini-batches. The original shuffles the whole batch once before
        it splits it over the GPUs (and verl's `balance_batch` then reorders it so each GPU gets
@@ -67,6 +71,18 @@ Deviations (numbered, on purpose):
     9. A non-finite gradient norm stops the run with one line (`common.check_finite`), where verl
        skips that optimiser step and goes on (`dp_actor.py`): in this code such a norm has meant a
        bug or a diverged run, which a skipped step would hide in the log.
+    10. Each rollout batch draws its queries uniformly with replacement, for `--steps` 100 rollout
+       batches (the full preset), evaluated every 25 (`--eval-every`) and after the last. The
+       original (`train/config.yaml`) runs `total_epochs` 5 over a shuffled loader (verl's
+       `RandomSampler`; ⌊rows/32⌋ batches a pass, a last partial one dropped) of its training
+       file, NQ and DeepMath-103K together (about 180 k rows by `data/get_train_data.py`: some
+       28 000 rollout batches), validating before the first batch and every 2nd (`test_freq` 2)
+       on AIME24's 30 problems. Its length is weeks of one GPU at this preset's size; 100 batches
+       are 3 200 queries, and 4 evaluations of a held-out file stand in for its ~14 000.
+    11. Small ones: ε 1e-4 in the advantage's denominator, where verl's GRPO estimator adds 1e-6
+       (`core_algos.py`); and no clamp of the policy's log-ratio before exp, where verl clamps it
+       to ±20 (`core_algos.py`): a ratio that overflows gives a non-finite loss, which stops the
+       run (deviation 9 and `common.check_finite`).
 
 Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # held-out accuracy 0.577 → 0.921; final-turn 0.426
@@ -204,7 +220,7 @@ class Args:
     )
 
 
-# The original recipe, each value beside the original one in docs/agentflow.md (DEVIATION 5).
+# The original recipe, each value beside the original one in docs/agentflow.md (DEVIATIONS 5, 10).
 PRESETS = {
     "full": dict(
         model="Qwen/Qwen2.5-7B-Instruct",

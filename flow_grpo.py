@@ -43,8 +43,18 @@ Deviations and choices (numbered; "official" = the authors' released code):
     6. Rollouts run in the training micro-batch shape (`--micro-batch` rows), so rollout and
        training pick the same kernels and the on-policy ratio stays 1 (sampler_ratio_max_dev).
     7. The sd3 preset (table in docs/flow_grpo.md) runs `--mixed-precision auto` (bf16; the original
-       prefers fp16, also offered, with a GradScaler), and `--drop-zero-advantage` drops samples
-       with A = 0 without padding the batch back to its size as the original does.
+       prefers fp16, also offered, with a GradScaler). `--drop-zero-advantage` drops every sample
+       with A = 0, and what is left runs in `--micro-batch`-row training batches, so a batch with
+       drops has fewer of them and the EMA (one call per training batch) moves fewer times. The
+       original (`train_sd3.py`) turns back just enough A = 0 samples to make the count a multiple
+       of its 8 training batches, which it always keeps, smaller: 4 EMA calls and 4 accumulated
+       batches per optimiser step.
+    8. The sd3 preset stops after `--epochs` 300 rollout batches; the original's loop
+       (`train_sd3.py`) has no end: it trains until it is stopped.
+    9. Under fp32 and bf16 a non-finite gradient norm stops the run with one line
+       (`common.check_finite`), as a non-finite loss does. The original (`train_sd3.py`) checks
+       neither: under bf16 it steps on it; under fp16, its default, its GradScaler skips that step
+       and lowers its scale, as the GradScaler does here.
 
 Precision (NOTE): bf16 autocast where the device multiplies bf16 natively (`--mixed-precision auto`:
 a GPU, a CPU with AVX512-BF16 or AMX); fp16 only with a GradScaler, since the per-step gradients
@@ -622,10 +632,12 @@ def train(args):
                 num_micro_batches = distributed.max_over_ranks(len(micro_batches), accelerator)
                 for _ in range(num_micro_batches - 1):
                     ema_update(ema, params, args.ema, optimizer_steps)
-                # the step's one collective; then clip the true gradient (inf/NaN: skipped)
+                # the step's one collective; then clip the true gradient
                 distributed.average_gradients(params, accelerator)
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                if not fp16:  # fp16: the GradScaler skips an overflowed step and lowers its scale
+                    common.check_finite(grad_norm, epoch, "gradient norm")
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer_steps += 1

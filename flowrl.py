@@ -48,12 +48,16 @@ Deviations (numbered, on purpose):
        prompts), `--max-new-tokens` 1024 (original 8k), `--model` Qwen2.5-1.5B-Instruct (original:
        the base Qwen2.5-7B; 32B in the paper too). Its 200 rollout batches (`--steps`; original:
        one pass, `--total-epochs` 1) draw 6 400 prompts without replacement, about a third of a
-       pass over DAPO-Math-17k's ~17 k unique prompts, and it evaluates every 50 (`--eval-every`;
-       original: 5): an Avg@16 evaluation samples 16 answers per held-out prompt, which the
-       one-GPU preset spends on training instead. `--preset full-7b` keeps the original's
-       model, batch, 8k lengths, length (one pass over --data, ⌊rows/512⌋ rollout batches) and
-       evaluation cadence, sharded over the GPUs (`--fsdp`). Prompts are not capped (the original
-       truncates them on the left at 2048 tokens).
+       pass over DAPO-Math-17k's ~17 k unique prompts. It evaluates Avg@16 at T 0.6 (`--eval-k`,
+       `--eval-temperature`: the original's separate test after training, `flowrl_math_test.sh`)
+       every 50 rollout batches (`--eval-every`), where the original's validation during training
+       is one greedy answer per prompt every 5 (verl's `val_kwargs`, `ppo_trainer.yaml`): 16
+       sampled answers per held-out prompt per 50 batches where the original generates 10 greedy
+       ones. `--preset full-7b` keeps the original's model, batch, 8k lengths, length (one pass
+       over --data, ⌊rows/512⌋ rollout batches) and evaluation (one greedy answer per prompt of
+       --eval-data every 5), sharded over the GPUs (`--fsdp`); its Avg@16 is the separate command
+       below (`--eval-only`). Prompts are not capped (the original truncates them on the left at
+       2048 tokens).
     8. Avg@k samples without top_p 0.95 (the original evaluation's): the one sampler has no
        truncation, so what it draws is what the trainer scores.
     9. log Z pools the whole prompt's hidden states (the original drops the prompt's last token),
@@ -63,6 +67,13 @@ Deviations (numbered, on purpose):
     11. A non-finite gradient norm stops the run with one line (`common.check_finite`), where the
        original's verl skips that optimiser step and goes on (`dp_actor.py`): in this code such a
        norm has meant a bug or a diverged run, which a skipped step would hide in the log.
+    12. TB's loss is the mean over each mini-batch's rows, however `--micro-batch-tokens` packs
+       them. The original (`dp_actor.py`, with `use_dynamic_bsz` as `flowrl_7B_math.sh` sets it)
+       scales each token-balanced micro-batch's row-mean by len(data)/32, where `data` at that
+       line is the 9-entry metrics dict its TB objective returns, not the micro-batch: a
+       mini-batch's loss is 9/32 × the sum of its micro-batch means. Its scale grows with the
+       number of micro-batches the token budget makes (one row each: 9× the row-mean), and a row
+       weighs more in a micro-batch of fewer rows. Not copied: a reused name, not a recipe choice.
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py                   # exact KL(π‖p*) 0.483 → 0.011, 23.4 of 24 kept
@@ -77,8 +88,11 @@ Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
 N GPUs (data-parallel, docs/full_scale.md):
     accelerate launch --num_processes N flowrl.py --preset full ...
-The original's 7B full fine-tune, sharded over 8 GPUs (FSDP; per-GPU plan in docs/full_scale.md):
+The original's 7B full fine-tune, sharded over 8 GPUs (FSDP; per-GPU plan in docs/full_scale.md),
+validated on --eval-data (the original's validation file), then the original's Avg@16 test of the
+saved policy, a separate command (`...`: --model runs/flowrl/policy --eval-data test.jsonl):
     accelerate launch --num_processes 8 flowrl.py --preset full-7b --data train.jsonl ...
+    python flowrl.py --preset full-7b --eval-only --eval-k 16 --eval-temperature 0.6 ...
 Sample from the trained policy (full preset; a plain causal LM folder, no log Z head):
     python -m utils.sample runs/flowrl/policy "What is 7 + 5?"
 """
@@ -151,9 +165,16 @@ class Args:
     logz_lr: float = cli.arg(1e-2, "log Z head learning rate")
     detach_logz: bool = cli.arg(False, "stop log Z's gradient into the backbone")
     temperature: float = cli.arg(1.0, "rollout temperature (original: 1.0)")
-    eval_temperature: float = cli.arg(0.6, "Avg@k temperature (original: 0.6)")
-    eval_k: int = cli.arg(4, "k of Avg@k (original: 16)")
+    eval_temperature: float = cli.arg(
+        0.6, "Avg@k temperature (original: 0, greedy, in training; 0.6 in its test after)"
+    )
+    eval_k: int = cli.arg(4, "k of Avg@k (original: 1 in training; 16 in its test after)")
     eval_every: int = cli.arg(25, "steps between evaluations")
+    eval_only: bool = cli.arg(
+        False,
+        "evaluate --model on --eval-data (Avg@k) and stop, no training: the original's separate "
+        "test after training (Avg@16 at T 0.6)",
+    )
     spread_samples: int = cli.arg(
         64, "numbers task: samples per question for the answer spread at the start and the end"
     )
@@ -203,8 +224,8 @@ class Args:
 
 # The original recipe (each value beside the original one: docs/flowrl.md): G = 8, β = 15, lr 1e-6
 # for the policy and log Z, weight decay 0.1, 10 warm-up rollout batches, group-normalised r̂,
-# temperature 1 for rollouts and 0.6 for Avg@16, 16 mini-batch steps per rollout batch
-# (DEVIATION 7).
+# temperature 1 for rollouts and 0.6 for Avg@16 (its test after training), 16 mini-batch steps per
+# rollout batch (DEVIATION 7).
 PRESETS = {
     "full": dict(
         task="math",
@@ -262,9 +283,11 @@ PRESETS = {
         eval_every=1000,
     ),
 }
-# The original's model, shapes (512 prompts × G 8, 8k new tokens) and length: one shuffled pass
-# over --data (⌊rows/512⌋ rollout batches, evaluated before the first and every 5th), sharded over
-# the GPUs (--fsdp; the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`.
+# The original's model, shapes (512 prompts × G 8, 8k new tokens), length and evaluation: one
+# shuffled pass over --data (⌊rows/512⌋ rollout batches), one greedy answer per prompt of
+# --eval-data before the first and every 5th (verl's val_kwargs), sharded over the GPUs (--fsdp;
+# the per-GPU plan for 8 in docs/full_scale.md); the rest as in `full`. Its Avg@16 is a separate
+# command after training (--eval-only), as the original's.
 PRESETS["full-7b"] = PRESETS["full"] | dict(
     model="Qwen/Qwen2.5-7B",
     prompts_per_step=512,
@@ -273,6 +296,8 @@ PRESETS["full-7b"] = PRESETS["full"] | dict(
     fsdp=True,
     total_epochs=1,
     eval_every=5,
+    eval_k=1,
+    eval_temperature=0.0,
 )
 
 
@@ -711,6 +736,18 @@ def train(args):
     return run.finish(summary, plots)
 
 
+def evaluate_only(args):
+    """--eval-only: Avg@k of --model on --eval-data, nothing trained, as the original's test script
+    after training (`flowrl_math_test.sh`: 16 answers per problem at T 0.6). Every rank samples its
+    share of the rows with the whole model, as a training run's evaluation does."""
+    needs = "--eval-only evaluates the math task (--preset full or full-7b) on --eval-data FILE"
+    cli.check_args([(args.task == "math" and args.eval_data, needs)])
+    accelerator, device = distributed.setup_accelerator(args.device, args.timeout)
+    tokenizer, model, task = flowrl_tasks.build(args, device)
+    generation = flowrl_tasks.Generation.from_args(args)
+    return flowrl_tasks.avg_at_k(model, tokenizer, task, generation, accelerator)
+
+
 if __name__ == "__main__":
     args = cli.parse_args(Args, PRESETS)
     tasks = flowrl_tasks
@@ -726,7 +763,7 @@ if __name__ == "__main__":
             train, args, tasks.SWEEP_ARMS, tasks.sweep_row, tasks.claim_holds, sweep_dir
         )
     else:
-        summary = train(args)
+        summary = evaluate_only(args) if args.eval_only else train(args)
         if distributed.is_rank_zero():  # one final JSON, not one per rank
             print(json.dumps(summary, indent=2))
     distributed.leave_process_group()

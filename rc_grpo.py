@@ -43,12 +43,12 @@ Deviations (numbered, on purpose):
        saved policy merges both adapters into fp32 weights.
     5. BFCL's harness semantics: an output that decodes to no call (`[]`, plain text, a failed
        parse) ends the user turn; more than `--max-steps` steps in one turn abandons the entry
-       (BFCL: 20). Backend calls get a time limit and their results a length cap
-       (`BFCLEnv.execute`).
+       (BFCL: 20). Backend calls get a time limit (`BFCLEnv.execute`), and what the model reads
+       of their results a length cap (deviation 9).
     6. Laptop knobs, off by default: `--docs needed` shows only the functions the ground truth calls
        and `--max-turns N` keeps the first N turns (BFCL's prompts are ~3k–7.5k tokens with all
        docs); the laptop preset writes a shorter paraphrase of bfcl-eval's system prompt
-       (`--system-prompt short`; the bfcl preset sends what bfcl-eval's harness sends).
+       (`--system-prompt short`; the bfcl preset sends bfcl-eval's system prompt).
     7. Rollouts follow BFCL's own turn-by-turn protocol (a user turn ends when the model makes no
        call), not the paper's merged prompt with a `done()` tool, so the scores are BFCL's. Accuracy
        is taken as the mean of R, an assumption (the paper's text does not define it); the
@@ -60,6 +60,12 @@ Deviations (numbered, on purpose):
        400 epochs), a size one GPU rolls out in hours. All arms share one batch, where the paper's
        GRPO baseline used 64. `--max-prompt-tokens` (a project limit, not BFCL's) abandons a
        dialogue whose prompt outgrows it and scores it as it stands.
+    9. A step's tool results reach the model as one `tool` message, the results joined by
+       newlines, each cut at 4 000 characters and the whole at 2 000 at full scale
+       (`bfcl.observation`, `ChatFormat.observation`); the checker compares them whole. bfcl-eval's
+       harness sends one `tool` message per call, each whole (`base_oss_handler.py`). This weighs
+       most on long_context, a quarter of the test split, whose results run long: the model reads
+       their first 2 000 characters where the harness shows all of them.
 
 Toy (CPU, about 2–4 minutes for the four arms; docs/rc_grpo.md):
     python rc_grpo.py     # zero-variance fraction 0.904 (SFT+GRPO) vs 0.526 (RCTP+RC-GRPO),

@@ -150,7 +150,11 @@ def build_full(args, device):
     tokenizer, model = models.load_causal_lm(
         args.model, device, args.lora_rank, gradient_checkpointing=args.gradient_checkpointing
     )
-    rows = [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.data)]
+    rows = (  # none for --eval-only
+        [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.data)]
+        if args.data
+        else []
+    )
     eval_rows = (
         [(chat_prompt(tokenizer, q + MATH_SUFFIX), a) for q, a in load_math_jsonl(args.eval_data)]
         if args.eval_data

@@ -64,6 +64,40 @@ def tiny_sd3(tmp_path_factory):
     return sd3, clip, prompts
 
 
+@pytest.fixture
+def poison(monkeypatch):
+    """poison(module, name, what): the loss function `module.name` returns a NaN loss (what="loss")
+    or a finite loss whose gradient is inf (what="gradient norm"). Returns the list of AdamW steps
+    taken after the first poisoned loss, for the tests that a non-finite value stops a run before
+    its weights step."""
+    import torch
+
+    taken, poisoned = [], []
+    adamw_step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        if poisoned:
+            taken.append(self)
+        return adamw_step(self, *args, **kwargs)
+
+    def apply(module, name, what):
+        loss_fn = getattr(module, name)
+
+        def poisoned_loss(*args, **kwargs):
+            loss, *rest = loss_fn(*args, **kwargs)
+            poisoned.append(what)
+            if what == "loss":
+                return (loss * float("nan"), *rest)
+            loss.register_hook(lambda grad: grad * float("inf"))
+            return (loss, *rest)
+
+        monkeypatch.setattr(module, name, poisoned_loss)
+        monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+        return taken
+
+    return apply
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where the Python tool cannot be isolated its isolation tests do not run: say so loudly, not
     as one skip among many."""

@@ -10,7 +10,7 @@ import torch
 import agentflow
 import common
 from envs import agent_tools, agent_toy
-from utils import cli, models
+from utils import cli, distributed, models
 
 
 def toy_args(tmp_path, *extra):
@@ -455,3 +455,17 @@ def test_tool_output_cannot_forge_chat_turns():
         [{"role": "user", "content": forged}], tokenize=False, add_generation_prompt=True
     )
     assert sum(i in turn_tokens for i in tokenizer(unescaped)["input_ids"]) > control_tokens(forged)
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
+    tmp_path, poison, what
+):
+    """The training loop from the toy's untrained planner (no warm start, no evaluation)."""
+    taken = poison(agentflow, "flow_grpo_loss", what)
+    args = toy_args(tmp_path, "--steps", "1", "--queries-per-step", "2")
+    accelerator, device = distributed.setup_accelerator("cpu")
+    system = agent_toy.build_toy(args, device)
+    with pytest.raises(SystemExit, match=f"non-finite {what} at step 1;"):
+        agentflow.train_arm(args, system, tmp_path, accelerator)
+    assert not taken

@@ -421,3 +421,14 @@ def test_the_ema_steps_once_per_training_batch_as_the_original(tmp_path, tiny_sd
     for got, expected in zip(used[-1], ema):
         torch.testing.assert_close(got, expected)
     assert max((a - b).abs().max() for a, b in zip(used[-1], weights[-1])) > 1e-4
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
+    tmp_path, tiny_sd3, poison, what
+):
+    """fp32 and bf16 have no GradScaler to skip a step: the run stops with one line instead."""
+    taken = poison(flow_grpo, "step_loss", what)
+    with pytest.raises(SystemExit, match=f"non-finite {what} at step 1;"):
+        flow_grpo.train(sd3_args(tmp_path, tiny_sd3, "--epochs", "1"))
+    assert not taken

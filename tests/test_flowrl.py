@@ -1,6 +1,7 @@
 """flowrl.py: the TB loss on hand numbers, its optimum, exact enumeration, and the two presets end
 to end."""
 
+import dataclasses
 import itertools
 import json
 
@@ -211,6 +212,9 @@ def test_full_preset_path_with_a_tiny_random_qwen2(tmp_path):
     # loads without the log Z head
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
     assert not any("net." in k for k in policy.state_dict())
+    # --eval-only, the original's separate test: the run's first evaluation of the same model
+    only = dataclasses.replace(args, eval_only=True, data="")
+    assert flowrl.evaluate_only(only) == {"avg_at_k": summary["before"]["avg_at_k"]}
 
 
 def test_report_to_tensorboard_logs_the_same_numbers_as_metrics_jsonl(tmp_path):
@@ -394,6 +398,7 @@ def test_shuffle_sampling_passes_over_the_prompts_without_replacement():
 def test_full_7b_runs_one_pass_at_the_originals_batch_and_evaluation_cadence(tmp_path):
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--preset", "full-7b", "--data", "x"])
     assert (args.sampling, args.total_epochs, args.eval_every) == ("shuffle", 1, 5)
+    assert (args.eval_k, args.eval_temperature) == (1, 0.0)  # the original's greedy validation
     assert args.prompts_per_step == 512 and args.warmup_steps == 10
     # ⌊rows/512⌋, the last partial batch dropped
     assert flowrl.rollout_batches(args, 34 * 512) == 34
@@ -461,3 +466,15 @@ def test_avg_at_k_draws_per_row_seeds_the_same_for_any_number_of_ranks(tmp_path,
     one, rank0, rank1 = drawn
     assert one[0::2] == rank0 and one[1::2] == rank1  # row r on rank r mod 2, the same draw
     assert len(set(one[:4])) > 1  # one question's 4 samples are not one sample repeated
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
+    tmp_path, tiny_chat_model, poison, what
+):
+    taken = poison(flowrl, "tb_loss", what)
+    argv = ["--preset", "smollm2-numbers", "--model", str(tiny_chat_model), "--steps", "1"]
+    argv += ["--group-size", "2", "--spread-samples", "2", "--max-new-tokens", "2"]
+    with pytest.raises(SystemExit, match=f"non-finite {what} at step 1;"):
+        flowrl.train(toy_args(tmp_path, *argv, "--device", "cpu"))
+    assert not taken

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import common
 import rc_grpo
 from envs import bfcl, bfcl_toy
-from utils import cli, models
+from utils import cli, distributed, models
 
 
 @pytest.fixture(scope="module")
@@ -691,3 +691,26 @@ def test_lora_on_a_bf16_base_keeps_stage_1_exactly_and_saves_what_was_trained(tm
     assert (reloaded - seen["trained"]).abs().max() <= 1e-5  # measured: 1e-6 (the issue: 1e-3)
     # the tolerances above tell the two apart: a bf16 merge of stage 1 moves the scores by 1.2e-4
     assert (seen["bf16_merge"] - seen["stage_1"]).abs().max() > 2e-5
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
+    tmp_path, poison, what
+):
+    """Stage 2, whose loop holds the checks, straight from the toy's untrained base (no stage 1)."""
+    taken = poison(rc_grpo, "rc_grpo_loss", what)
+    argv = ["--quiet", "--steps", "1", "--toy-tasks", "8", "--tasks-per-step", "2"]
+    args = cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, argv)
+    accelerator, device = distributed.setup_accelerator("cpu")
+    world, _ = bfcl_toy.build_toy(args, device, rc_grpo.REWARD_TOKENS)
+    with pytest.raises(SystemExit, match=f"non-finite {what} at step 1 of rc-grpo;"):
+        rc_grpo.grpo_arm(
+            args,
+            world,
+            "rc-grpo",
+            use_tokens=True,
+            reward_conditioned=True,
+            out_dir=tmp_path,
+            accelerator=accelerator,
+        )
+    assert not taken
