@@ -534,7 +534,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
     optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
-    every checkpoint. Returns the Run; the caller evaluates the trained planner."""
+    every checkpoint. Returns (the Run, the last step's evaluation of the trained planner:
+    (metrics, rollouts), or None where the loop ran no step)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -577,6 +578,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     start, extra = run.resume()
     num_queries = len(system.train)
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
+    evaluation = None
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
@@ -654,11 +656,11 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         all_rewards = accelerator.gather(rewards.float().to(device)).cpu()  # every rank's
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         record |= {"turn_samples": len(trained_turns), "mean_turns": sum(turns) / len(turns)}
-        if system.test and step % args.eval_every == 0 and step < args.steps:  # the last: train's
-            evaluation, _ = evaluate(system, system.test, args, accelerator)
-            record |= {f"eval_{k}": v for k, v in evaluation.items()}
+        if system.test and (step % args.eval_every == 0 or step == args.steps):
+            evaluation = evaluate(system, system.test, args, accelerator)
+            record |= {f"eval_{k}": v for k, v in evaluation[0].items()}
         run.log(step, record, keep)
-    return run
+    return run, evaluation
 
 
 def train(args):
@@ -685,12 +687,13 @@ def train(args):
     else:
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
-    run = train_arm(
+    run, last_evaluation = train_arm(
         args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
     )
-    after, after_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
-    if run.records:  # the curves end at the trained planner
-        run.records[-1] |= {f"eval_{k}": v for k, v in after.items()}
+    # the trained planner's: the last step's evaluation (a resumed, finished run evaluates anew)
+    after, after_rollouts = last_evaluation or (
+        evaluate(system, test, args, accelerator) if test else ({}, [])
+    )
     summary = (
         {f"{k}_before": v for k, v in before.items()}
         | {f"{k}_after": v for k, v in after.items()}
@@ -733,9 +736,8 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
-        ablated, _ = evaluate(system, test, args, accelerator)
-        ablation.records[-1] |= {f"eval_{k}": v for k, v in ablated.items()}
+        ablation, last_evaluation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablated = (last_evaluation or evaluate(system, test, args, accelerator))[0]
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:

@@ -198,17 +198,21 @@ def stop_early(model, eos_id, hazard, counts):
     model's near-uniform next token (logits of std ≈ 0.8 at init) is EOS with probability ≈
     `hazard` at every position, and its completions stop at geometric lengths (a random model
     never stops otherwise: no padding, no mask). It also counts in counts["decode"] the forwards
-    that produce one position without gradient: a `generate` call's prefill (it keeps the last
-    position's logits) and each decode step, so one call adds its longest completion's length."""
+    of one position per row without gradient: a `generate` call's first (each prompt's last token,
+    on its prefilled cache) and each decode step, so one call adds its longest completion's
+    length."""
     bias = math.log(hazard * model.config.vocab_size)
 
     def hook(module, inputs, logits):
         logits[..., eos_id] += bias
-        if logits.shape[1] == 1 and not torch.is_grad_enabled():
-            counts["decode"] += 1
         return logits
 
+    def count(module, inputs):
+        if inputs[0].shape[1] == 1 and not torch.is_grad_enabled():
+            counts["decode"] += 1
+
     model.get_output_embeddings().register_forward_hook(hook)
+    model.get_input_embeddings().register_forward_pre_hook(count)
     return model
 
 
