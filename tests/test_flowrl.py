@@ -91,6 +91,13 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     assert metrics["kl_policy_to_target"] == pytest.approx(
         sum(_kl(*d[1:3]) for d in metrics["dists"]) / 4, abs=1e-4
     )
+    # what summary.json keeps of prompt x0: every rewarded answer's r, π and p*; π's top answer
+    kept = metrics["prompts"][0]
+    assert len(kept["rewarded"]) == sum(r > 0 for r in reward)
+    for answer, row in kept["rewarded"].items():
+        j = texts.index(answer)
+        assert (row["r"], row["pi"], row["p*"]) == (reward[j], pi[j], target[j])
+    assert kept["pi_top"]["pi"] == max(pi)
 
 
 def _kl(p, q):

@@ -1,17 +1,59 @@
 """Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1), every cell tagged
-"figure" draws one, and full-scale cells only print their command without a GPU."""
+"figure" draws one, and full-scale cells only print their command without a GPU (marker `long`).
+Without running them (fast): every source and preset a notebook's stored outputs print is the
+current one, so a change to a printed function or preset fails until `make notebooks` runs."""
 
+import ast
+import importlib
+import inspect
 import os
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-pytestmark = pytest.mark.long
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+PRINTED_SOURCE = re.compile(r"inspect\.getsource\(([\w.]+)\)")  # e.g. flowrl.grpo_loss
+PRINTED_PRESET = re.compile(r'(\w+)\.PRESETS\["([\w-]+)"\]')  # the full-scale cell's preset
 
 
+def current(dotted):
+    """The object a dotted name such as `flowrl.grpo_loss` names in the current code."""
+    module, *attributes = dotted.split(".")
+    obj = importlib.import_module(module)
+    for name in attributes:
+        obj = getattr(obj, name)
+    return obj
+
+
+def stored_stdout(cell):
+    return "".join(o.text for o in cell.outputs if o.get("name") == "stdout")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_stored_outputs_print_the_current_code(path):
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    sources = [(c, name) for c in cells for name in PRINTED_SOURCE.findall(c.source)]
+    stale = [
+        name for c, name in sources if inspect.getsource(current(name)) not in stored_stdout(c)
+    ]
+    presets = {  # (module, preset): the cell that prints it
+        m: c for c in cells if "full scale:" in c.source for m in PRINTED_PRESET.findall(c.source)
+    }
+    for (module, preset), cell in presets.items():
+        line = next(l for l in stored_stdout(cell).splitlines() if l.startswith("full scale:"))
+        if (
+            ast.literal_eval(line.removeprefix("full scale:").strip())
+            != current(module).PRESETS[preset]
+        ):
+            stale.append(f"{module}.PRESETS[{preset!r}]")
+    assert sources and presets  # each notebook prints its loss and its full-scale preset
+    assert not stale, f"{path.name} prints an older {', '.join(stale)}: run `make notebooks`"
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
@@ -22,6 +64,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     book = nbformat.read(path, as_version=4)
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
     workdir.mkdir()
+    (workdir / "harness.py").symlink_to(path.parent / "harness.py")
     for name in os.listdir(path.parents[1]):
         # the scripts, what they import, and the data files under tests/
         if name.endswith(".py") or name in ("envs", "utils", "tests"):

@@ -401,6 +401,14 @@ def test_reward_tokens_are_iid_with_probability_p():
     assert tokens.count(rc_grpo.HIGH) / len(tokens) == pytest.approx(0.3, abs=0.01)
 
 
+def test_p_high_1_is_grpo_under_the_high_token():
+    # the notebook's exercise 1, `--p-high 1.0`: accepted, and every rollout draws the high token
+    args = cli.parse_args(rc_grpo.Args, rc_grpo.PRESETS, ["--p-high", "1.0"])
+    assert rc_grpo.validate(args)
+    tokens = rc_grpo.sample_reward_tokens(1000, args.p_high, torch.Generator().manual_seed(0))
+    assert set(tokens) == {rc_grpo.HIGH}
+
+
 def test_variance_bound_of_proposition_4_3_holds_in_simulation():
     # E[σ_g²] ≥ ((G−1)/G)·p(1−p)·ε² with success P(high) = 0.9, P(low) = 0.3 → ε = 0.6 (RC-GRPO,
     # Prop. 4.3)

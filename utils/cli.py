@@ -73,6 +73,12 @@ def parse_args(args_cls, presets=None, argv=None):
     return args
 
 
+def preset(script, name, **flags):
+    """`script`'s Args as `--preset name` and then `flags` build them on the command line, for a
+    run called in-process: `cli.preset(flowrl, "full", data="train.jsonl")`."""
+    return script.Args(**(script.PRESETS[name] | flags), preset=name)
+
+
 # Rules that hold for a flag of this name in every script; each script's `validate` adds its own.
 COUNTS = (  # at least 1
     "steps",

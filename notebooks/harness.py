@@ -1,14 +1,30 @@
-"""The notebooks' run sizes, kept out of their lecture cells: TOY extends a toy run's Args and REAL
-a real-model preset, as a reader runs them (the presets as they are, a few steps of the real model)
-or, where the test suite sets NOTEBOOK_QUICK=1, tiny enough to run every cell in a few minutes."""
+"""What the notebooks need that is not their lecture: `import harness` puts the scripts (one folder
+up) on the import path and quietens progress bars; `sizes(notebook)` gives the notebook's runs as a
+reader runs them or, where the test suite sets NOTEBOOK_QUICK=1, tiny enough to run every cell in a
+few minutes; RUN_FULL=1 on a GPU machine lets the full-scale cell train."""
 
 import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore", message="IProgress not found")  # no widgets needed
+hf_logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
 
 QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
+RUN_FULL = os.environ.get("RUN_FULL") == "1" and torch.cuda.is_available()
+# flow_grpo's pretrained toy base model, shared with `python flow_grpo.py` (the tests share theirs)
+FLOW_GRPO_CACHE = os.environ.get("FLOW_GRPO_CACHE", str(ROOT / "runs" / "flow_grpo_cache"))
 
+# (TOY, REAL): what extends a toy run's Args and a real-model preset
 READER = {
     "flowrl": ({}, dict(steps=8)),
-    "flow_grpo": ({}, {}),
+    "flow_grpo": (dict(cache_dir=FLOW_GRPO_CACHE), {}),
     "agentflow": ({}, dict(ablation=False)),
     "rc_grpo": ({}, dict(steps=2)),
 }
@@ -17,7 +33,7 @@ TINY = {
         dict(steps=4, eval_every=2),
         dict(steps=1, group_size=2, prompts_per_step=1, max_new_tokens=4),
     ),
-    "flow_grpo": (dict(epochs=3, eval_per_prompt=8, eval_every=2), {}),
+    "flow_grpo": (dict(cache_dir=FLOW_GRPO_CACHE, epochs=3, eval_per_prompt=8, eval_every=2), {}),
     "agentflow": (
         dict(steps=3, eval_every=3, warm_start_steps=50),
         dict(
