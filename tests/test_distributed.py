@@ -245,7 +245,7 @@ def test_an_evaluation_longer_than_the_collective_timeout_finishes(tmp_path):
         "--algo",
         "grpo",
         "--steps",
-        "2",
+        "1",
         "--prompts-per-step",
         "2",
         "--group-size",
