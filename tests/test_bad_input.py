@@ -449,18 +449,28 @@ def test_a_resume_whose_stage_2_checkpoint_is_gone_is_one_line_and_keeps_the_met
     assert "no checkpoint" in message and metrics.read_bytes() == before
 
 
-def test_a_learning_rate_that_makes_the_weights_non_finite_is_one_line(tmp_path):
-    """rc_grpo --lr 1e308: the first stage-2 step makes the weights inf, and the next rollout's
-    logits NaN; generate's last logits processor stops the run in one line (the other scripts stop
-    on the loss first: test_<script>.py's non-finite tests)."""
-    tiny = ["--arms", "rctp+rc-grpo", "--steps", "3", "--tasks-per-step", "2", "--toy-tasks", "8"]
-    args = cli.parse_args(
-        rc_grpo.Args,
-        rc_grpo.PRESETS,
-        [*tiny, "--toy-test-tasks", "2", "--rctp-epochs", "1", "--failure-rollouts", "1"]
-        + ["--lr", "1e308", "--quiet", "--out-dir", str(tmp_path)],
-    )
+DIVERGING_RUNS = {  # --lr 1e308: the first optimiser step makes the weights inf
+    "flowrl": ["--steps", "3"],
+    "flow_grpo": ["--epochs", "2"],
+    "agentflow": ["--steps", "3", "--warm-start-steps", "2", "--no-ablation"],
+    "rc_grpo": [
+        *("--arms", "rctp+rc-grpo", "--steps", "3", "--tasks-per-step", "2", "--toy-tasks", "8"),
+        *("--toy-test-tasks", "2", "--rctp-epochs", "1", "--failure-rollouts", "1"),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_learning_rate_that_makes_the_weights_non_finite_is_one_line(
+    name, tmp_path, flow_grpo_cache
+):
+    """The next forward after the diverged step stops the run in one line, wherever it comes
+    first: the update's loss (common.check_finite) or, in rc_grpo, the next rollout, whose NaN
+    logits generate's last logits processor refuses."""
+    cache = ["--cache-dir", str(flow_grpo_cache)] if name == "flow_grpo" else []
+    flags = [*DIVERGING_RUNS[name], *cache, "--lr", "1e308", "--quiet", "--out-dir", str(tmp_path)]
+    args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, flags)
     with pytest.raises(SystemExit) as exit_info:
-        rc_grpo.train(args)
+        SCRIPTS[name].train(args)
     message = str(exit_info.value)
     assert message.startswith("error:") and "lower --lr" in message and "\n" not in message

@@ -474,7 +474,8 @@ def check_out_dir(out_dir, args, accelerator):
         if metrics.stat().st_size and not (metrics.parent / "checkpoint.safetensors").exists():
             raise SystemExit(
                 f"error: --resume: {str(metrics)!r} holds steps but no checkpoint beside it to "
-                "continue them from; --overwrite starts the run again"
+                "continue them from; delete that folder to start it again (--overwrite starts "
+                "the whole run again)"
             )
     for path in checkpoints:
         if args.resume:
