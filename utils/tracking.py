@@ -133,6 +133,7 @@ class RunLogger:
 
         self.out_dir = Path(out_dir)
         self.records = list(records)
+        self.warned = False  # the flat-group warning, said once
         self.quiet = quiet or not main_process
         self.main_process = main_process  # other ranks keep the records in memory and write nothing
         self.metrics_file = io.StringIO()
@@ -160,11 +161,13 @@ class RunLogger:
     def log(self, step, **metrics):
         record = {"step": step, "sec": round(time.time() - self.start, 2), **metrics}
         self.records.append(record)
-        if self.main_process and flat_streak(self.records) == FLAT_STEPS:
+        if self.main_process and not self.warned and flat_streak(self.records) == FLAT_STEPS:
+            self.warned = True  # once per run: zero_var_frac in metrics.jsonl shows every step
             print(
-                f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row: the "
-                "reward is teaching this run nothing (a warm start, an easier task or a larger "
-                "group would give groups both outcomes)",
+                f"warning: every group had equal rewards for {FLAT_STEPS} steps in a row, so the "
+                "reward is teaching this run nothing there: the policy always or never earns it "
+                "(collapsed onto one answer, or a task too easy or too hard for it); "
+                "zero_var_frac in metrics.jsonl shows each step",
                 file=sys.stderr,
             )
         self.metrics_file.write(json.dumps(record) + "\n")
