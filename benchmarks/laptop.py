@@ -9,7 +9,7 @@ matmul FLOPs done (every `nn.Linear`, forward and backward, counted from its sha
 few percent left out) per wall second; and `torch.mm`'s rate at SmolLM2-135M's shapes with the
 same threads and precision. The claim is the ratios, not an absolute time.
 
-    make bench-laptop                          # all three presets, about 15 min here
+    make bench-laptop                          # all three presets, about 12 min on 2 cores
     python benchmarks/laptop.py flowrl         # one of them; --json FILE keeps the numbers
 """
 
