@@ -82,7 +82,7 @@ Toy (CPU, about a minute per arm; docs/flowrl.md):
     python flowrl.py --seeds 0-4       # all three arms on five seeds, one table (the figures
                                        # above are its means, docs/flowrl.md)
 A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-real`):
-    python flowrl.py --preset smollm2-addition --algo grpo   # greedy 0.125 → 0.83, ~20 min
+    python flowrl.py --preset smollm2-addition --algo grpo   # greedy 0.125 → 0.86, ~5 min
     python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO spread: held 1/3 seeds
 Full scale (one GPU, math recipe):
     python flowrl.py --preset full --data train.jsonl --eval-data test.jsonl
