@@ -8,12 +8,13 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-from transformers.utils import logging as hf_logging
+warnings.filterwarnings("ignore", message="IProgress not found")  # no widgets needed
+
+import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-warnings.filterwarnings("ignore", message="IProgress not found")  # no widgets needed
 hf_logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
 
 QUICK = os.environ.get("NOTEBOOK_QUICK") == "1"
