@@ -436,14 +436,9 @@ def surrogate_loss(mb, logp, old_logp, prompt_states, targets, minibatch, *, arg
     step's, by row; `grpo_loss`), a token-mean over the mini-batch's completion tokens.
     `prompt_states` is log Z's input, which GRPO has no use for: the arms share one forward."""
     token_count = max(1, sum(int(m.mask.sum()) for m in minibatch))
+    advantages = targets[mb.rows]
     return grpo_loss(
-        logp,
-        old_logp,
-        targets[mb.rows],
-        mb.mask,
-        args.clip_eps,
-        token_count,
-        dual_clip=args.dual_clip,
+        logp, old_logp, advantages, mb.mask, args.clip_eps, token_count, dual_clip=args.dual_clip
     )
 
 
