@@ -303,14 +303,13 @@ def build_rctp_data(world, entries, args):
     <|low_reward|>), 1:1 (RCTP-FT). Failures are collected `args.gen_batch` rollouts at a time.
     Returns (trajectories, each a list of step samples; number of failures found)."""
     repeated = [e for e in entries for _ in range(args.failure_rollouts)]
-    limits = bfcl.Limits.from_args(args)
     rollouts = []
     for lo in range(0, len(repeated), args.gen_batch):
         batch_entries = repeated[lo : lo + args.gen_batch]
         rollouts += [
             {"entry": r["entry"], "calls_per_turn": r["calls_per_turn"], "reward": r["reward"]}
             for r in bfcl.run_rollouts(
-                world, batch_entries, [None] * len(batch_entries), temperature=1.0, limits=limits
+                world, batch_entries, [None] * len(batch_entries), temperature=1.0
             )
         ]
     every_failure = [r for r in rollouts if r["reward"] == 0]
@@ -383,8 +382,7 @@ def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
         every_seed = [distributed.sampling_seed(args.seed, 0, k) for k in range(len(entries))]
         seeds = every_seed[rank::ranks]
     goals = [reward_goal(token)] * len(mine)
-    limits = bfcl.Limits.from_args(args)
-    rollouts = bfcl.run_rollouts(world, mine, goals, temperature, limits, seeds=seeds)
+    rollouts = bfcl.run_rollouts(world, mine, goals, temperature, seeds=seeds)
     my_scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in rollouts]
     scores = gather_object(my_scores) if ranks > 1 else my_scores
     rewards, checked = zip(*scores)
@@ -436,7 +434,6 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
     autocast = common.training_autocast(model.device, args.mixed_precision)
     gen = torch.Generator().manual_seed(args.seed)
     mine = distributed.local_groups(args.tasks_per_step, accelerator)
-    limits = bfcl.Limits.from_args(args)  # a rollout's token, row and step caps
     surrogate = functools.partial(rc_grpo_loss, clip_eps=args.clip_eps, beta=args.beta)
     # π_ref scored once per step (none when β = 0)
     scoring = common.Scoring(
@@ -485,7 +482,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         #    (Sec. 3.3)
         goals = [reward_goal(t) for t in tokens]
         with phases.time("rollout"):
-            rollouts = bfcl.run_rollouts(world, entries, goals, args.temperature, limits)
+            rollouts = bfcl.run_rollouts(world, entries, goals, args.temperature)
         rewards = torch.tensor([r["reward"] for r in rollouts])
 
         # 3. one group per task across tokens: A_j = (R_j − mean_g R)/(σ_g + ε), σ_g the
@@ -574,8 +571,7 @@ def stage_one(world, base_data, arms, args, path):
 
     base = trained_weights()
     summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
-    limits = bfcl.Limits.from_args(args)
-    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None, limits)]
+    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None)]
     tensors, needed = {}, {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
         expert = stage1_units(
@@ -662,7 +658,7 @@ def train(args):
     if args.lora_rank:
         models.stack_adapter(world.model, "stage2")
         models.check_master_weights(world.model)
-    curves, limits = {}, bfcl.Limits.from_args(args)
+    curves = {}
     for arm in arms:
         init, algo = arm.split("+")
         world.model.load_state_dict(states[init], strict=False)
@@ -694,7 +690,7 @@ def train(args):
             low = evaluate(world, world.test, LOW, args, accelerator=accelerator)
             result["accuracy_under_low_token"] = low[0]
         shown.append(
-            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token), limits)
+            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token))
         )
         summary[arm] = run.finish(
             result,

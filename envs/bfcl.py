@@ -472,8 +472,9 @@ class ChatFormat:
 
 @dataclasses.dataclass
 class World:
-    """The environment side of a run: the task split, the model, and how a dialogue is written as
-    text (`text_format`: ChatFormat at full scale, bfcl_toy.ToyFormat on the toy)."""
+    """The environment side of a run: the task split, the model, how a dialogue is written as text
+    (`text_format`: ChatFormat at full scale, bfcl_toy.ToyFormat on the toy) and the rollout's caps
+    (`limits`, read off the run's flags once)."""
 
     train: list
     test: list
@@ -481,6 +482,7 @@ class World:
     model: object
     text_format: object
     end_text: str  # what an expert writes to end a turn
+    limits: "Limits" = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,6 +518,7 @@ def build_bfcl(args, device):
         model.to(device),
         text_format=ChatFormat(tokenizer, args.system_prompt),
         end_text="Done.",
+        limits=Limits.from_args(args),
     )
 
 
@@ -600,18 +603,19 @@ def decode_calls(text):
         return []
 
 
-def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
+def run_rollouts(world, entries, goals, temperature, seeds=None):
     """Play each entry with BFCL's protocol, its first user message ending in its goal text (None =
     none): per user turn, generate → decode → execute → append the results, until the output
-    decodes to no call (the turn ends); more than `limits.max_steps` steps in one turn abandons the
-    entry (BFCL: 20). With `seeds` (one per entry), each model step of a dialogue draws from its
-    own seed, so a dialogue samples the same whatever it is batched with (or on which rank).
+    decodes to no call (the turn ends); more than `limits.max_steps` steps in one turn abandons
+    the entry (BFCL: 20); `limits` are the world's. With `seeds` (one per entry), each model step
+    of a dialogue draws from its own seed, so a dialogue samples the same whatever it is batched
+    with (or on which rank).
 
     All rollouts advance together (one batched `generate` per step, `limits.gen_batch` rows at a
     time). Returns, per rollout, its steps (prompt, completion ids, sampling log-probs),
     `calls_per_turn`, and R = trajectory_reward.
     """
-    runs = []
+    runs, limits = [], world.limits
     for k, (entry, goal) in enumerate(zip(entries, goals)):
         env = BFCLEnv(entry)
         runs.append(
@@ -675,10 +679,10 @@ def run_rollouts(world, entries, goals, temperature, limits, seeds=None):
     return runs
 
 
-def format_calls(world, entry, goal, limits):
+def format_calls(world, entry, goal):
     """What the policy calls on one entry, turn by turn (greedy, under the reward `goal` text),
     beside the expected calls: the before/after view of rollouts.txt."""
-    (run,) = run_rollouts(world, [entry], [goal], 0.0, limits)
+    (run,) = run_rollouts(world, [entry], [goal], 0.0)
     lines = [f"{entry['id']} ({goal or 'no reward goal'}): reward {run['reward']:.0f}"]
     for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
         asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""

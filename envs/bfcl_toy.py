@@ -136,7 +136,15 @@ def build_toy(args, device, special_tokens):
         len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
     )
     model = model.to(device)
-    world = bfcl.World(train, test, tokenizer, model, text_format=ToyFormat(), end_text="done")
+    world = bfcl.World(
+        train,
+        test,
+        tokenizer,
+        model,
+        text_format=ToyFormat(),
+        end_text="done",
+        limits=bfcl.Limits.from_args(args),
+    )
     rng = random.Random(args.seed)
     base_data = [
         s

@@ -2,9 +2,9 @@
 reward tokens, the variance bound, the toy end to end and the full-scale path with a tiny random
 Qwen2."""
 
+import dataclasses
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,10 +153,12 @@ def scripted_world(monkeypatch, outputs):
         lambda model, tok, prompts, *a, **k: [(next(script), [], torch.zeros(0)) for _ in prompts],
     )
     tokenizer = models.make_tokenizer(["user", "asst", "tool"])  # counts prompt length only
-    return bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
+    return bfcl.World(
+        [], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done", limits=LIMITS
+    )
 
 
-ROLLOUT_ARGS = SimpleNamespace(
+LIMITS = bfcl.Limits(
     max_new_tokens=8,
     gen_batch=8,
     gen_tokens=0,
@@ -180,13 +182,11 @@ def test_hostile_output_ends_the_turn_without_side_effects_and_the_rollout_finis
         "[cd(folder=1 + 2)]",
     ]
     for text in hostile:  # BFCL: a failed decode ends the turn; the one-turn entry is then over
-        (run,) = bfcl.run_rollouts(
-            scripted_world(monkeypatch, [text]), [entry], [None], 1.0, ROLLOUT_ARGS
-        )
+        (run,) = bfcl.run_rollouts(scripted_world(monkeypatch, [text]), [entry], [None], 1.0)
         assert run["reward"] == 0.0 and len(run["steps"]) == 1 and run["calls_per_turn"] == [[]]
     assert not marker.exists()
     world = scripted_world(monkeypatch, ["[cd(folder='docs')]", "[rm(file_name='a.txt')]", "[]"])
-    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, ROLLOUT_ARGS)
+    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0)
     assert run["reward"] == 1.0 and len(run["steps"]) == 3  # `[]` ended the turn
 
 
@@ -195,15 +195,17 @@ def test_a_seeded_dialogue_samples_the_same_alone_or_batched_with_others():
     every step whatever it is batched with, so N ranks' shards sample what one process does."""
     tokenizer = models.make_tokenizer(["user", "asst", "tool", "x", "[", "]"])
     model = models.tiny_causal_lm(len(tokenizer), seed=3)
-    world = bfcl.World([], [], tokenizer, model, text_format=bfcl_toy.ToyFormat(), end_text="done")
+    world = bfcl.World(
+        [], [], tokenizer, model, text_format=bfcl_toy.ToyFormat(), end_text="done", limits=LIMITS
+    )
     one_turn = toy_entry(["a.txt"]) | {"ground_truth": [["ls()"]]}
     two_turns = one_turn | {
         "question": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "x x"}]],
         "ground_truth": [["ls()"], ["pwd()"]],
     }
     entries = [one_turn, two_turns, one_turn]
-    together = bfcl.run_rollouts(world, entries, [None] * 3, 1.0, ROLLOUT_ARGS, seeds=[7, 8, 9])
-    (alone,) = bfcl.run_rollouts(world, entries[1:2], [None], 1.0, ROLLOUT_ARGS, seeds=[8])
+    together = bfcl.run_rollouts(world, entries, [None] * 3, 1.0, seeds=[7, 8, 9])
+    (alone,) = bfcl.run_rollouts(world, entries[1:2], [None], 1.0, seeds=[8])
     steps = lambda run: [step["ids"] for step in run["steps"]]
     assert len(steps(alone)) == 2 and steps(alone) == steps(together[1])
     assert steps(together[0]) != steps(together[2])  # other seeds, other draws
@@ -215,20 +217,12 @@ def test_a_turn_ends_on_an_empty_decode_and_too_many_steps_abandon_the_entry(mon
         "ground_truth": [["ls()"], ["pwd()"]],
     }
     (run,) = bfcl.run_rollouts(
-        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0, ROLLOUT_ARGS
+        scripted_world(monkeypatch, ["[]", "[pwd()]", "ok"]), [entry], [None], 1.0
     )
     assert run["calls_per_turn"] == [[], ["pwd()"]] and len(run["steps"]) == 3
-    capped = SimpleNamespace(
-        max_new_tokens=8,
-        gen_batch=8,
-        gen_tokens=0,
-        max_steps=3,
-        max_prompt_tokens=10**6,
-        mixed_precision="fp32",
-    )
-    (run,) = bfcl.run_rollouts(
-        scripted_world(monkeypatch, ["[ls()]"] * 10), [entry], [None], 1.0, capped
-    )
+    world = scripted_world(monkeypatch, ["[ls()]"] * 10)
+    world.limits = dataclasses.replace(LIMITS, max_steps=3)
+    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0)
     # 4 > 3 steps in turn 0: abandoned
     assert len(run["steps"]) == 4 and run["calls_per_turn"][1] == []
 
@@ -243,15 +237,8 @@ def test_a_dialogue_past_the_prompt_cap_is_abandoned_and_scored_as_it_stands(mon
             bfcl.render(world, bfcl.user_messages(world, entry, 0, None)), add_special_tokens=False
         )["input_ids"]
     )
-    capped = SimpleNamespace(
-        max_new_tokens=8,
-        gen_batch=8,
-        gen_tokens=0,
-        max_steps=10,
-        max_prompt_tokens=first + 12,
-        mixed_precision="fp32",
-    )
-    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0, capped)
+    world.limits = dataclasses.replace(LIMITS, max_prompt_tokens=first + 12)
+    (run,) = bfcl.run_rollouts(world, [entry], [None], 1.0)
     assert run["abandoned"] and 1 <= len(run["steps"]) < 10  # stopped by the cap, not the step cap
     assert run["calls_per_turn"][0][0] == "cd(folder='docs')" and run["reward"] == 0.0
 
