@@ -150,6 +150,11 @@ class Args:
     minibatches: int = cli.arg(
         1, "disjoint mini-batches per rollout batch, one optimiser step each (π_old fixed)"
     )
+    valleys: str = cli.arg(
+        "1,1,0.8,0.8,0.5,0.5",
+        "the toy's target: each prompt's rewarded answers by their reward in (0, 1] (one random "
+        "3-symbol answer each; the others score 0), e.g. 1,0.6,0.3 for three modes",
+    )
     max_new_tokens: int = cli.arg(3, "|y| cap")
     beta: float = cli.arg(1.0, "β, reward scale in p* ∝ π_ref·exp(β·r) (original: 15)")
     reward_norm: str = cli.arg(
@@ -563,6 +568,11 @@ def validate(args):
             (
                 not args.total_epochs or args.sampling == "shuffle",
                 "--total-epochs counts passes without replacement: it needs --sampling shuffle",
+            ),
+            (
+                flowrl_tasks.parse_valleys(args.valleys) is not None,
+                "--valleys must list 1-64 rewards in (0, 1], e.g. 1,0.6,0.3 "
+                f"(got {args.valleys!r})",
             ),
             (
                 not (args.fsdp and args.lora_rank),

@@ -1,7 +1,8 @@
 """FlowRL's tasks and measurements: the exact toy, math with math-verify, and laptop tasks.
 
-    valleys   4 prompts × 64 three-symbol answers, six rewarded per prompt (modes of different
-              fertility); π, π_ref and p* ∝ π_ref·exp(β·|y|·r) enumerated exactly (exact_metrics)
+    valleys   4 prompts × 64 three-symbol answers, some rewarded per prompt (--valleys: by default
+              six, modes of different heights); π, π_ref and p* ∝ π_ref·exp(β·|y|·r) enumerated
+              exactly (exact_metrics)
     math      {prompt|problem, answer} JSONL, the last \\boxed{} checked by math-verify; Avg@k
     addition, numbers   SmolLM2 tasks: one-digit sums (first integer), questions with many
                         correct answers (answer_spread: distinct correct answers and their entropy)
@@ -22,7 +23,6 @@ from utils import cli, distributed, models, tracking
 
 SYMBOLS = list("abcd")
 TOY_PROMPTS = ["x0", "x1", "x2", "x3"]
-VALLEYS = (1.0, 1.0, 0.8, 0.8, 0.5, 0.5)  # rewarded answers per prompt; every other answer scores 0
 
 
 @dataclasses.dataclass
@@ -70,17 +70,26 @@ def score(kind, text, answer):
     return integer_reward(text, answer, first=kind == "addition")
 
 
-def toy_reward_table(seed):
-    """For each toy prompt, six 3-symbol answers with rewards VALLEYS (modes of different
-    fertility)."""
+def parse_valleys(text):
+    """--valleys "1,1,0.8": the rewards of each prompt's rewarded answers, or None if it is not a
+    list of 1-64 numbers in (0, 1]."""
+    try:
+        rewards = [float(r) for r in text.split(",")]
+    except ValueError:
+        return None
+    ok = 1 <= len(rewards) <= len(SYMBOLS) ** 3 and all(0 < r <= 1 for r in rewards)
+    return rewards if ok else None
+
+
+def toy_reward_table(seed, rewards):
+    """For each toy prompt, one random 3-symbol answer per reward in `rewards` (modes of different
+    heights); every other answer scores 0."""
     gen = torch.Generator().manual_seed(seed)
     answers = [" ".join(a) for a in itertools.product(SYMBOLS, repeat=3)]
     return [
         {
             answers[j]: r
-            for j, r in zip(
-                torch.randperm(len(answers), generator=gen)[: len(VALLEYS)].tolist(), VALLEYS
-            )
+            for j, r in zip(torch.randperm(len(answers), generator=gen).tolist(), rewards)
         }
         for _ in TOY_PROMPTS
     ]
@@ -93,7 +102,7 @@ def build_toy(args):
     model = models.tiny_causal_lm(
         len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
     )
-    table = toy_reward_table(args.seed)
+    table = toy_reward_table(args.seed, parse_valleys(args.valleys))
     gen = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     symbol_ids = torch.tensor(tokenizer.convert_tokens_to_ids(SYMBOLS))
@@ -221,8 +230,8 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
     exactly: π_θ(·|x), p*(·|x) ∝ π_ref·exp(β·|y|·r) (DEVIATION 3), KL(π‖p*), KL(p*‖π), E_π[r],
     E_p*[r] and the number of rewarded modes covered (π holds ≥ 50% of the mode's target mass),
     averaged over the toy prompts; per prompt ("prompts", kept in summary.json) each rewarded
-    answer's r, π and p*, and the answer π holds most. ref_model None: π_ref is `model` with its
-    LoRA adapter off."""
+    answer's r, π and p*, the modes π keeps (covered, best first) and the answer π holds most.
+    ref_model None: π_ref is `model` with its LoRA adapter off."""
     vocab = len(tokenizer)
     answers = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V³, 3)
     texts = [tokenizer.decode(a) for a in answers.tolist()]
@@ -233,7 +242,7 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         "target_mean_reward": 0.0,
         "modes_covered": 0,
         "modes_total": 0,
-        "prompts": [],  # per prompt: each rewarded answer's r, π and p*; the answer π holds most
+        "prompts": [],  # per prompt: each rewarded answer's r, π, p*; the modes kept; π's top
         "dists": [],
     }
     for i, prompt in enumerate(task.prompts):
@@ -251,17 +260,28 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         )
         out["mean_reward"] += (pi * reward).sum().item() / len(task.prompts)
         out["target_mean_reward"] += (target * reward).sum().item() / len(task.prompts)
-        rewarded = reward > 0
-        out["modes_covered"] += int((pi[rewarded] >= 0.5 * target[rewarded]).sum())
-        out["modes_total"] += int(rewarded.sum())
+        rewarded = sorted((reward > 0).nonzero().flatten().tolist(), key=lambda j: -reward[j])
+        kept = [texts[j] for j in rewarded if pi[j] >= 0.5 * target[j]]
+        out["modes_covered"] += len(kept)
+        out["modes_total"] += len(rewarded)
         top = int(pi.argmax())
         out["prompts"].append(
             {
+                "prompt": prompt,
                 "rewarded": {
-                    texts[j]: {"r": reward[j].item(), "pi": pi[j].item(), "p*": target[j].item()}
-                    for j in rewarded.nonzero().flatten().tolist()
+                    texts[j]: {
+                        "r": task.reward(i, texts[j]),
+                        "pi": pi[j].item(),
+                        "p*": target[j].item(),
+                    }
+                    for j in rewarded
                 },
-                "pi_top": {"answer": texts[top], "r": reward[top].item(), "pi": pi[top].item()},
+                "kept": kept,
+                "pi_top": {
+                    "answer": texts[top],
+                    "r": task.reward(i, texts[top]),
+                    "pi": pi[top].item(),
+                },
             }
         )
         out["dists"].append((texts, pi.tolist(), target.tolist(), reward.tolist()))
@@ -349,21 +369,35 @@ def plot_answer_counts(before, after, path, algo):
     fig.savefig(path)
 
 
-def plot_valleys(dist, path, algo, top=16):
-    """Bars of target p* vs learned π over the answers with the most target mass (the paper's Figure
-    1 view)."""
+def plot_valleys(prompts, path, algo):
+    """One panel per prompt (the paper's Figure 1 view): target p* vs learned π on each rewarded
+    answer, labelled with its reward (* = a mode π keeps), on π's top answer when it scores 0, and
+    on the rest of the answers together."""
     from matplotlib.figure import Figure
 
-    texts, pi, target, _ = dist
-    order = sorted(range(len(texts)), key=lambda j: -target[j])[:top]
-    fig = Figure(figsize=(6, 3), dpi=100)
-    ax = fig.subplots()
-    xs = torch.arange(len(order)).numpy()
-    ax.bar(xs - 0.2, [target[j] for j in order], 0.4, label="target p*")
-    ax.bar(xs + 0.2, [pi[j] for j in order], 0.4, label=f"{algo} π")
-    ax.set_xticks(xs, [texts[j].replace(" ", "") for j in order], rotation=90, fontsize=7)
-    ax.set(title=f"{algo}: probability of each answer (prompt x0)", ylabel="probability")
-    ax.legend(fontsize=8)
+    fig = Figure(figsize=(3.2 * len(prompts), 3.2), dpi=100)
+    for ax, row in zip(fig.subplots(1, len(prompts), sharey=True), prompts):
+        bars = {
+            f"{a.replace(' ', '')}{'*' if a in row['kept'] else ''}\nr {v['r']:g}": (
+                v["p*"],
+                v["pi"],
+            )
+            for a, v in row["rewarded"].items()
+        }
+        top = row["pi_top"]
+        if top["answer"] not in row["rewarded"]:
+            bars[f"{top['answer'].replace(' ', '')}\nr 0"] = (0.0, top["pi"])
+        shown = [sum(column) for column in zip(*bars.values())]
+        bars["rest"] = (max(0.0, 1 - shown[0]), max(0.0, 1 - shown[1]))
+        xs = torch.arange(len(bars)).numpy()
+        ax.bar(xs - 0.2, [t for t, _ in bars.values()], 0.4, label="target p*")
+        ax.bar(xs + 0.2, [p for _, p in bars.values()], 0.4, label=f"{algo} π")
+        ax.set_xticks(xs, list(bars), fontsize=7)
+        ax.set_title(
+            f"{row['prompt']}: {len(row['kept'])}/{len(row['rewarded'])} modes kept", fontsize=9
+        )
+    ax.legend(fontsize=7)
+    fig.supylabel("probability", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -525,7 +559,7 @@ def run_plots(first, final, args, task, out_dir):
     from the metrics: [(filename, keys, title)]."""
     plots = [("reward.png", ["reward", "zero_var_frac"], f"{args.algo}: reward")]
     if task.kind == "valleys" and final:
-        plot_valleys(final["dists"][0], Path(out_dir) / "valleys.png", args.algo)
+        plot_valleys(final["prompts"], Path(out_dir) / "valleys.png", args.algo)
         plots.append(
             ("kl.png", ["kl_policy_to_target", "kl_target_to_policy"], f"{args.algo}: exact KL")
         )

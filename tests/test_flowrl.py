@@ -96,7 +96,7 @@ def test_exact_enumeration_equals_brute_force(tmp_path):
     assert len(kept["rewarded"]) == sum(r > 0 for r in reward)
     for answer, row in kept["rewarded"].items():
         j = texts.index(answer)
-        assert (row["r"], row["pi"], row["p*"]) == (reward[j], pi[j], target[j])
+        assert (row["pi"], row["p*"]) == (pi[j], target[j]) and row["r"] == pytest.approx(reward[j])
     assert kept["pi_top"]["pi"] == max(pi)
 
 
@@ -485,3 +485,18 @@ def test_a_non_finite_loss_or_gradient_stops_the_run_before_the_weights_step(
     with pytest.raises(SystemExit, match=f"non-finite {what} at step 1;"):
         flowrl.train(toy_args(tmp_path, *argv, "--device", "cpu"))
     assert not taken
+
+
+def test_the_toys_target_is_a_flag_and_the_summary_says_which_modes_each_prompt_kept(tmp_path):
+    """--valleys 1,0.6,0.3: three rewarded answers per prompt at those rewards; summary.json lists
+    per prompt the modes π keeps (π ≥ ½ p*, best first), and valleys.png draws every prompt."""
+    summary = flowrl.train(
+        toy_args(tmp_path, "--valleys", "1,0.6,0.3", "--steps", "2", "--eval-every", "2")
+    )
+    assert summary["modes_total"] == 3 * 4 and len(summary["prompts"]) == 4
+    for row in summary["prompts"]:
+        assert sorted(v["r"] for v in row["rewarded"].values()) == [0.3, 0.6, 1.0]
+        covered = [a for a, v in row["rewarded"].items() if v["pi"] >= 0.5 * v["p*"]]
+        assert sorted(row["kept"]) == sorted(covered)
+    assert sum(len(row["kept"]) for row in summary["prompts"]) == summary["modes_covered"]
+    assert (tmp_path / "valleys.png").stat().st_size > 0
