@@ -14,6 +14,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from utils import cli
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 PRINTED_SOURCE = re.compile(r"inspect\.getsource\(([\w.]+)\)")  # e.g. flowrl.grpo_loss
 PRINTED_PRESET = re.compile(r'(\w+)\.PRESETS\["([\w-]+)"\]')  # the full-scale cell's preset
@@ -89,3 +91,55 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     ]
     assert figure_cells and not blank, blank
     assert len(NOTEBOOKS) == 4
+
+
+EXERCISE_FLAGS = re.compile(r"`(--[\w-]+(?: [^`]+)?)`")  # e.g. `--careless 0`, `--valleys 1,0.6`
+
+
+def exercises(path):
+    """[(flags, refused)]: each backticked command in the notebook's Exercises cell, and whether its
+    sentence says the script refuses it ("read the error")."""
+    cell = next(c for c in nbformat.read(path, as_version=4).cells if "## Exercises" in c.source)
+    return [
+        (flags.split(), "read the error" in sentence)
+        for sentence in re.split(r"(?<=\.) ", cell.source)
+        for flags in EXERCISE_FLAGS.findall(sentence)
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_exercise_is_a_command_the_script_takes(path):
+    """Each exercise's flags parse and pass the script's checks (or, where the exercise says to
+    read the error, give the one-line refusal), without running."""
+    module = importlib.import_module(path.stem)
+    commands = exercises(path)
+    assert len(commands) >= 3
+    for flags, refused in commands:
+        args = cli.parse_args(module.Args, module.PRESETS, flags)
+        if refused:
+            with pytest.raises(SystemExit, match="error: --"):
+                module.validate(args)
+        else:
+            module.validate(args)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_exercise_runs_at_a_small_size(path, tmp_path, monkeypatch, flow_grpo_cache):
+    """Each exercise's command trains its toy for one step at the notebook tests' sizes."""
+    monkeypatch.setenv("NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
+    harness = importlib.reload(importlib.import_module("notebooks.harness"))
+    module = importlib.import_module(path.stem)
+    tiny = harness.sizes(path.stem)[0] | {"steps": 1, "epochs": 1, "eval_every": 1}
+    small = [f"--{k.replace('_', '-')}={v}" for k, v in tiny.items() if hasattr(module.Args, k)]
+    for n, (flags, refused) in enumerate(exercises(path)):
+        if not refused:
+            out = ["--quiet", "--no-ablation"] if path.stem == "agentflow" else ["--quiet"]
+            module.train(
+                cli.parse_args(
+                    module.Args,
+                    module.PRESETS,
+                    [*small, *out, *flags, "--out-dir", str(tmp_path / str(n))],
+                )
+            )
