@@ -534,8 +534,8 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
     optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
-    every checkpoint. Returns (the Run, the last step's evaluation of the trained planner:
-    (metrics, rollouts), or None where the loop ran no step)."""
+    every checkpoint. Returns the Run; its records end with the held-out evaluation of the trained
+    planner (eval_*, on the last step)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -578,7 +578,6 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     start, extra = run.resume()
     num_queries = len(system.train)
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
-    evaluation = None
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
@@ -657,10 +656,10 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         record |= {"turn_samples": len(trained_turns), "mean_turns": sum(turns) / len(turns)}
         if system.test and (step % args.eval_every == 0 or step == args.steps):
-            evaluation = evaluate(system, system.test, args, accelerator)
-            record |= {f"eval_{k}": v for k, v in evaluation[0].items()}
+            evaluation, _ = evaluate(system, system.test, args, accelerator)
+            record |= {f"eval_{k}": v for k, v in evaluation.items()}
         run.log(step, record, keep)
-    return run, evaluation
+    return run
 
 
 def train(args):
@@ -687,13 +686,10 @@ def train(args):
     else:
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
-    run, last_evaluation = train_arm(
+    run = train_arm(
         args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
     )
-    # the trained planner's: the last step's evaluation (a resumed, finished run evaluates anew)
-    after, after_rollouts = last_evaluation or (
-        evaluate(system, test, args, accelerator) if test else ({}, [])
-    )
+    after = tracking.latest(run.records, "eval_")  # the last step evaluated the trained planner
     summary = (
         {f"{k}_before": v for k, v in before.items()}
         | {f"{k}_after": v for k, v in after.items()}
@@ -716,13 +712,14 @@ def train(args):
             "before": before["accuracy"],
             "after": after["accuracy"],
         }
-        if accelerator.is_main_process:  # rank 0 holds the first query's rollouts
+        if accelerator.is_main_process:  # the first query's greedy rollout, as evaluated
+            (after_rollout,) = evaluate(system, test[:1], args)[1]
             shown = "\n".join(
                 [
                     "before training:",
                     before_text,
                     "after training:",
-                    agent_tools.format_rollout(after_rollouts[0]),
+                    agent_tools.format_rollout(after_rollout),
                 ]
             )
             (out_dir / "rollouts.txt").write_text(shown + "\n")
@@ -736,8 +733,8 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        ablation, last_evaluation = train_arm(ablation_args, system, out_dir / other, accelerator)
-        ablated = (last_evaluation or evaluate(system, test, args, accelerator))[0]
+        ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablated = tracking.latest(ablation.records, "eval_")
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]
         if accelerator.is_main_process:

@@ -237,10 +237,14 @@ def test_a_resumed_flowrl_run_does_not_evaluate_its_start_again(tmp_path, monkey
 @pytest.mark.long
 def test_a_resumed_agentflow_run_does_not_evaluate_its_start_again(tmp_path, monkeypatch):
     """The start's evaluation and its shown rollout are saved with the checkpoint: resuming reads
-    them back instead of evaluating the trained planner as the start."""
-    calls = []
+    them back instead of evaluating the trained planner as the start; a finished run's last
+    evaluation is in its records, so it is not evaluated again either (only the one query shown in
+    rollouts.txt)."""
+    calls = []  # the queries of each evaluation
     evaluate = agentflow.evaluate
-    monkeypatch.setattr(agentflow, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    monkeypatch.setattr(
+        agentflow, "evaluate", lambda *a, **k: calls.append(len(a[1])) or evaluate(*a, **k)
+    )
     flags = [
         "--steps",
         "2",
@@ -259,12 +263,14 @@ def test_a_resumed_agentflow_run_does_not_evaluate_its_start_again(tmp_path, mon
     ]
     fresh = agentflow.train(cli.parse_args(agentflow.Args, agentflow.PRESETS, flags))
     shown = (tmp_path / "rollouts.txt").read_text()
-    assert len(calls) == 2  # the start, and the last step's
+    whole = calls[0]  # the start, the last step's, then the query shown in rollouts.txt
+    assert whole > 1 and calls == [whole, whole, 1]
     resumed = agentflow.train(
         cli.parse_args(agentflow.Args, agentflow.PRESETS, [*flags, "--resume"])
     )
-    assert len(calls) == 3  # the end only: the finished run evaluates its weights anew
+    assert calls[3:] == [1]  # the shown query only: the start and the end are read back
     assert resumed["accuracy_before"] == fresh["accuracy_before"]
+    assert resumed["accuracy_after"] == fresh["accuracy_after"]
     assert (tmp_path / "rollouts.txt").read_text().split("after training:")[0] == shown.split(
         "after training:"
     )[0]

@@ -110,6 +110,16 @@ def largest(records, key):
     return max((record[key] for record in records if key in record), default=0.0)
 
 
+def latest(records, prefix):
+    """The keys under `prefix` of the last record holding any, the prefix dropped ({} where none
+    does): e.g. a run's last held-out evaluation, logged as eval_accuracy, eval_mean_turns, …"""
+    for record in reversed(records):
+        found = {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
+        if found:
+            return found
+    return {}
+
+
 def token_counts(completions, micro_batches, epochs=1):
     """{tokens_rollout: this rank's generated tokens, tokens_update: the tokens its update's
     forward passes compute (each distinct prefix once, `common.MicroBatch.tokens`) over `epochs`
