@@ -712,7 +712,7 @@ def train(args):
             "before": before["accuracy"],
             "after": after["accuracy"],
         }
-        if accelerator.is_main_process:  # the first query's greedy rollout, as evaluated
+        if accelerator.is_main_process:  # the first query's greedy rollout, run alone
             (after_rollout,) = evaluate(system, test[:1], args)[1]
             shown = "\n".join(
                 [

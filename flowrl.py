@@ -570,6 +570,10 @@ def validate(args):
                 "--total-epochs counts passes without replacement: it needs --sampling shuffle",
             ),
             (
+                args.task == "valleys" or args.valleys == Args.valleys,
+                f"--valleys sets the toy's target; --task {args.task} has its own rewards",
+            ),
+            (
                 flowrl_tasks.parse_valleys(args.valleys) is not None,
                 "--valleys must list 1-64 rewards in (0, 1], e.g. 1,0.6,0.3 "
                 f"(got {args.valleys!r})",

@@ -482,7 +482,7 @@ class World:
     model: object
     text_format: object
     end_text: str  # what an expert writes to end a turn
-    limits: "Limits" = None
+    limits: "Limits"
 
 
 @dataclasses.dataclass(frozen=True)

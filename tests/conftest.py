@@ -111,3 +111,10 @@ def pytest_terminal_summary(terminalreporter):
             red=True,
             bold=True,
         )
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that train or start processes first (slow, real, long), the quick ones after:
+    two workers then end together instead of one finishing a long test alone."""
+    heavy = {"slow", "real", "long"}
+    items.sort(key=lambda item: not heavy & {mark.name for mark in item.iter_markers()})

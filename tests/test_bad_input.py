@@ -259,6 +259,7 @@ def test_a_corrupt_toy_cache_is_rebuilt_and_a_file_cache_dir_is_refused(tmp_path
         (["--preset", "smollm2-numbers", "--data", "x.jsonl"], "the other tasks take none"),
         (["--valleys", "1,two"], "--valleys must list"),
         (["--valleys", "1,0"], "--valleys must list"),
+        (["--preset", "smollm2-addition", "--valleys", "1"], "its own rewards"),
     ],
 )
 def test_flowrl_bad_flags_get_one_clear_message(tmp_path, argv, message):

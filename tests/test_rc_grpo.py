@@ -260,7 +260,9 @@ def test_backend_calls_have_a_time_limit_and_a_result_cap():
     assert env.execute(bfcl.parse_calls("[add(a=2, b=3)]")) == ['{"result": 5}']
     (echoed,) = env.execute(bfcl.parse_calls(f"[echo(content={'x' * 9000!r})]"))
     assert len(echoed) > 9000  # whole for the checker; cut where the model reads it
-    world = bfcl.World([], [], None, None, text_format=bfcl.ChatFormat(None), end_text="")
+    world = bfcl.World(
+        [], [], None, None, text_format=bfcl.ChatFormat(None), end_text="", limits=LIMITS
+    )
     assert len(bfcl.observation(world, [echoed])) <= min(2000, bfcl.MAX_RESULT_CHARS)
 
 
@@ -309,7 +311,9 @@ def test_full_scale_prompt_is_what_bfcl_evals_harness_sends_on_every_entry(entri
 
     harness = bfcl_harness(monkeypatch)
     ours = {e["id"]: e for e in entries}
-    world = bfcl.World([], [], None, None, text_format=bfcl.ChatFormat(None), end_text="")
+    world = bfcl.World(
+        [], [], None, None, text_format=bfcl.ChatFormat(None), end_text="", limits=LIMITS
+    )
     checked, reveals = 0, 0
     for category in bfcl.CATEGORIES:
         for sent in load_dataset_entry(f"multi_turn_{category}"):
@@ -370,7 +374,9 @@ def test_reward_token_sits_at_the_end_of_the_first_user_message_and_is_never_sco
     tokenizer = models.make_tokenizer(
         ["user", "asst", "tool", "delete", *bfcl_toy.TOY_FILES], rc_grpo.REWARD_TOKENS
     )
-    world = bfcl.World([], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done")
+    world = bfcl.World(
+        [], [], tokenizer, None, text_format=bfcl_toy.ToyFormat(), end_text="done", limits=LIMITS
+    )
     samples = bfcl.trajectory_samples(
         world, train[0], rc_grpo.reward_goal(rc_grpo.HIGH), train[0]["ground_truth"]
     )
