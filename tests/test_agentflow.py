@@ -263,10 +263,11 @@ def test_answers_match():
 @pytest.mark.slow
 def test_toy_broadcast_learns_and_beats_final_turn_credit(tmp_path):
     s = agentflow.train(toy_args(tmp_path, "--seed", "1"))
-    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.22 (seed 4) and the
-    # smallest lead over final-turn credit 0.35 (seed 4); the test asks for half of each or less.
-    assert s["accuracy_after"] >= s["accuracy_before"] + 0.1
-    assert s["accuracy_after"] >= s["accuracy_final_turn_credit"] + 0.15
+    # Margins (five-seed sweep, docs/agentflow.md): the smallest gain is 0.165 (seed 3) and the
+    # smallest lead over final-turn credit 0.26 (seed 2); the test asks for half of each (seed 1
+    # itself: 0.395 and 0.735).
+    assert s["accuracy_after"] >= s["accuracy_before"] + 0.08
+    assert s["accuracy_after"] >= s["accuracy_final_turn_credit"] + 0.13
 
 
 def tiny_planner(tmp_path):
