@@ -62,9 +62,9 @@ are ~1e-9 at high noise and underflow in fp16 (measured in tests/test_flow_grpo.
 and optimiser state stay fp32; the SDE arithmetic is fp32.
 
 Toy (CPU, under a minute after a one-time ~24 s pretraining; docs/flow_grpo.md):
-    python flow_grpo.py               # ODE accuracy 0.507 → 0.995, 0.776 of the diversity kept
-    python flow_grpo.py --seeds 0-4   # the same on five seeds, one table (the figures above are
-                                      # its means, docs/flow_grpo.md)
+    python flow_grpo.py               # seed 0 (make demo's row)
+    python flow_grpo.py --seeds 0-4   # five seeds, one table: ODE accuracy 0.507 → 0.996, 0.772
+                                      # of the diversity kept, means (docs/flow_grpo.md)
 Full scale (one GPU, SD3.5-Medium, PickScore):
     python flow_grpo.py --preset sd3 --prompts train.txt --eval-prompts test.txt
 N GPUs (data-parallel, docs/full_scale.md):
