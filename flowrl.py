@@ -76,11 +76,13 @@ Deviations (numbered, on purpose):
        weighs more in a micro-batch of fewer rows. Not copied: a reused name, not a recipe choice.
 
 Toy (CPU, about a minute per arm; docs/flowrl.md):
-    python flowrl.py                   # exact KL(π‖p*) 0.483 → 0.011, 23.4 of 24 kept
-    python flowrl.py --algo grpo       # the reward maximiser: KL 0.483 → 3.129, 2.6 of 24 kept
-    python flowrl.py --algo grpo-kl    # the control with FlowRL's target
-    python flowrl.py --seeds 0-4       # all three arms on five seeds, one table (the figures
-                                       # above are its means, docs/flowrl.md)
+    python flowrl.py                   # seed 0, one thread: exact KL(π‖p*) 0.480 → 0.005, 24 of 24
+                                       # modes kept
+    python flowrl.py --algo grpo       # the reward maximiser: KL 0.480 → 3.694, 2 of 24 kept
+    python flowrl.py --algo grpo-kl    # the control with FlowRL's target: 0.480 → 0.182, 20 kept
+    python flowrl.py --valleys 1,0.6,0.3   # a target of your own: each prompt's rewards
+    python flowrl.py --seeds 0-4       # all three arms on five seeds, one table (means: FlowRL
+                                       # 0.007, GRPO 3.301, GRPO-KL 0.094; docs/flowrl.md)
 A real model on a laptop (the bundled SmolLM2-135M-Instruct, CPU; `make demo-real`):
     python flowrl.py --preset smollm2-addition --algo grpo   # greedy 0.125 → 0.86, ~5 min
     python flowrl.py --preset smollm2-numbers --seeds 0-2    # FlowRL vs GRPO spread: held 1/3 seeds
