@@ -758,7 +758,11 @@ def test_ctrl_c_in_the_trainer_leaves_no_process_behind():
                 f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
                 "sandbox.python_tool('import time\\ntime.sleep(60)', timeout=60)"
             ),
-        ]
+        ],
+        # not this worker's own stderr: a pipe nobody drains fills up, and the trainer's
+        # KeyboardInterrupt traceback would then block its exit
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 30
     started = []  # the trainer's own sandbox processes (other tests may run calls meanwhile)
