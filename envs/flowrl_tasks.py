@@ -246,11 +246,15 @@ def exact_metrics(model, ref_model, tokenizer, task, beta, length=3):
         "dists": [],
     }
     for i, prompt in enumerate(task.prompts):
-        every = common.pack_micro_batch(
-            tokenizer, [prompt] * len(answers), answers.tolist(), model.device
-        )
-        logp = common.micro_batch_logprobs(model, every).sum(-1).cpu()
-        ref_logp = common.reference_logprobs(model, ref_model, every).sum(-1).cpu()
+        logp, ref_logp = [], []
+        # one prefix tree per first token: a tree's attention grows with the square of its size
+        for chunk in answers.split(vocab ** (length - 1)):
+            mb = common.pack_micro_batch(
+                tokenizer, [prompt] * len(chunk), chunk.tolist(), model.device
+            )
+            logp.append(common.micro_batch_logprobs(model, mb).sum(-1).cpu())
+            ref_logp.append(common.reference_logprobs(model, ref_model, mb).sum(-1).cpu())
+        logp, ref_logp = torch.cat(logp), torch.cat(ref_logp)
         reward = torch.tensor([task.reward(i, t) for t in texts])
         log_target = torch.log_softmax(ref_logp + beta * length * reward, 0)
         pi, target = logp.exp(), log_target.exp()
