@@ -755,7 +755,10 @@ def test_ctrl_c_in_the_trainer_leaves_no_process_behind():
             sys.executable,
             "-c",
             (
-                f"import sys; sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
+                # Ctrl-C raises KeyboardInterrupt, as in a trainer started from a terminal (a
+                # suite started in the background, `make test &`, hands its children SIGINT ignored)
+                "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                f"sys.path.insert(0, {str(REPO)!r}); from envs import sandbox\n"
                 "sandbox.python_tool('import time\\ntime.sleep(60)', timeout=60)"
             ),
         ],
