@@ -1,5 +1,6 @@
 """Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1), every cell tagged
-"figure" draws one, and full-scale cells only print their command without a GPU (marker `long`).
+"figure" draws one, every cell the sizes do not reach prints what is stored, and full-scale cells
+only print their command without a GPU (marker `long`).
 Without running them (fast): every source and preset a notebook's stored outputs print is the
 current one, so a change to a printed function or preset fails until `make notebooks` runs."""
 
@@ -55,6 +56,22 @@ def test_stored_outputs_print_the_current_code(path):
     assert not stale, f"{path.name} prints an older {', '.join(stale)}: run `make notebooks`"
 
 
+def unsized_cells(book):
+    """The code cells whose output the run sizes cannot change: neither they nor any cell they
+    take a name from uses TOY or REAL (the tests' sizes differ from the reader's)."""
+    sized, cells = {"TOY", "REAL"}, []
+    for cell in (c for c in book.cells if c.cell_type == "code"):
+        nodes = list(ast.walk(ast.parse(cell.source)))
+        used = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        if used & sized:
+            sized |= {
+                n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
+        else:
+            cells.append(cell)
+    return cells
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
@@ -64,6 +81,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
     book = nbformat.read(path, as_version=4)
+    stored = {id(c): stored_stdout(c) for c in book.cells if c.cell_type == "code"}
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
     workdir.mkdir()
     (workdir / "harness.py").symlink_to(path.parent / "harness.py")
@@ -82,6 +100,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
         if o.output_type == "error"
     ]
     assert not errors
+    # a cell that no run size reaches prints what the stored notebook shows (make notebooks ran it)
+    changed = [c.source[:60] for c in unsized_cells(book) if stored_stdout(c) != stored[id(c)]]
+    assert not changed, f"{path.name}: stored outputs differ from the current code's: {changed}"
     # every cell tagged "figure" must have drawn one (a backend change can silently blank plots)
     figure_cells = [c for c in book.cells if "figure" in c.metadata.get("tags", [])]
     blank = [
