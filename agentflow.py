@@ -377,13 +377,13 @@ class Memory:
         )
 
 
-def run_agent(queries, system, plan, max_turns):
+def run_agent(queries, system, max_turns):
     """One rollout per query: analyse the query, then plan → execute → verify until STOP or
     `max_turns`, then generate (AgentFlow's system).
 
-    `system` holds the modules (ToySystem or ToolSystem). All rollouts advance together (one batched
-    planner call per turn). `plan(prompts)` returns, per prompt, (text, completion ids, sampler
-    log-probs); each trajectory keeps its planner turns for training.
+    `system` holds the modules (ToySystem or ToolSystem), each at the system's temperatures. All
+    rollouts advance together (one batched planner call per turn, `system.plan`); each trajectory
+    keeps its planner turns, with the sampler's log-probs, for training.
     """
     memories = [Memory() for _ in queries]
     trajectories = [{"query": q, "turns": [], "verdicts": []} for q in queries]
@@ -395,7 +395,7 @@ def run_agent(queries, system, plan, max_turns):
             system.planner_prompt(queries[i], memories[i], analyses[i], turn + 1, max_turns)
             for i in active
         ]
-        outputs = plan(prompts)
+        outputs = system.plan(prompts)
         calls = []
         for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             trajectories[i]["turns"].append(
@@ -425,20 +425,6 @@ def run_agent(queries, system, plan, max_turns):
 
 
 # ---------------------------------------------------------------------------------------- rollouts
-
-
-def planner_sampler(system, temperature, args):
-    """plan(prompts) → [(text, completion ids, sampler log-probs)], batched `generate`."""
-    return lambda prompts: common.sample_completions(
-        system.planner,
-        system.tokenizer,
-        prompts,
-        args.max_new_tokens,
-        temperature=temperature,
-        batch_rows=args.gen_batch,
-        token_budget=args.gen_tokens,
-        precision=args.mixed_precision,
-    )
 
 
 WARM_START_BATCH = 32  # (prompt, completion) pairs per warm-start step
@@ -487,9 +473,7 @@ def evaluate(system, queries, args, accelerator=None):
     trajectories = []
     if mine:
         # every module greedy at evaluation (the original's): `system` as built
-        trajectories = run_agent(
-            mine, system, planner_sampler(system, 0.0, args), args.eval_max_turns
-        )
+        trajectories = run_agent(mine, system, args.eval_max_turns)
     my_numbers = [
         (t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries]) for t in trajectories
     ]
@@ -546,10 +530,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     mine = distributed.local_groups(args.queries_per_step, accelerator)
     # a training rollout (Eq. 2): the planner samples at T, and the frozen modules as it does
     rollout = functools.partial(
-        run_agent,
-        system=system.sampling(args.temperature),
-        plan=planner_sampler(system, args.temperature, args),
-        max_turns=args.max_turns,
+        run_agent, system=system.sampling(args.temperature), max_turns=args.max_turns
     )
     # π_old (where samples are reused) and π_ref scored once per rollout batch
     scoring = common.Scoring(

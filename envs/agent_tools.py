@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import common
-from envs import sandbox
+from envs import agent_toy, sandbox
 from utils import cli, models
 
 
@@ -87,16 +87,29 @@ class ToolSystem:
     planner: object
     retrieve: object
     tool_timeout: float
-    max_new_tokens: int
-    gen_batch: int
+    generation: dict  # how the planner and the frozen modules sample (`planner_generation`)
     hidden_files: tuple
     unsafe_python_tool: bool = False  # the user's opt-in to run model code unisolated
-    gen_tokens: int = 0  # padded tokens per `generate` call (0: rows only)
-    frozen_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
+    planner_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
+    frozen_temperature: float = 0.0
 
     def sampling(self, temperature):
-        """This system with its frozen modules sampled at `temperature` (training rollouts)."""
-        return dataclasses.replace(self, frozen_temperature=temperature)
+        """This system with its planner and frozen modules sampled at `temperature` (training
+        rollouts)."""
+        return dataclasses.replace(
+            self, planner_temperature=temperature, frozen_temperature=temperature
+        )
+
+    def plan(self, prompts):
+        """The planner's turn for each prompt (adapter on) → [(text, completion ids, sampler
+        log-probs)]."""
+        return common.sample_completions(
+            self.planner,
+            self.tokenizer,
+            prompts,
+            temperature=self.planner_temperature,
+            **self.generation,
+        )
 
     def chat(self, text):
         """One user turn in the chat template. Its text (questions, tool output, model-written
@@ -120,16 +133,14 @@ class ToolSystem:
         `temperature` is given, each `module` at most its MODULE_TOKENS (and the planner's cap)."""
         if temperature is None:
             temperature = self.frozen_temperature
-        max_new_tokens = min(MODULE_TOKENS[module], self.max_new_tokens)
+        cap = min(MODULE_TOKENS[module], self.generation["max_new_tokens"])
         with self.planner.disable_adapter():
             out = common.sample_completions(
                 self.planner,
                 self.tokenizer,
                 [self.chat(p) for p in prompts],
-                max_new_tokens,
                 temperature=temperature,
-                batch_rows=self.gen_batch,
-                token_budget=self.gen_tokens,
+                **(self.generation | {"max_new_tokens": cap}),
             )
         return [text for text, _, _ in out]
 
@@ -338,9 +349,7 @@ def build_full(args, device):
         planner.to(device),
         retrieve,
         args.tool_timeout,
-        args.max_new_tokens,
-        args.gen_batch,
+        agent_toy.planner_generation(args),
         hidden,
         args.unsafe_python_tool,
-        args.gen_tokens,
     )

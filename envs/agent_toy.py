@@ -9,6 +9,7 @@ turn matters.
 import dataclasses
 import random
 
+import common
 from utils import models, tracking
 
 ATTRIBUTES = ["population", "area", "height", "age"]
@@ -96,10 +97,23 @@ class ToySystem:
     kb: dict
     tokenizer: object
     planner: object
+    generation: dict  # how the planner samples (`planner_generation`)
+    planner_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
 
     def sampling(self, temperature):
-        """The rule-based modules have no temperature: the same system."""
-        return self
+        """This system with its planner sampled at `temperature` (training rollouts); the
+        rule-based modules have no temperature."""
+        return dataclasses.replace(self, planner_temperature=temperature)
+
+    def plan(self, prompts):
+        """The planner's turn for each prompt → [(text, completion ids, sampler log-probs)]."""
+        return common.sample_completions(
+            self.planner,
+            self.tokenizer,
+            prompts,
+            temperature=self.planner_temperature,
+            **self.generation,
+        )
 
     def analyse(self, queries):
         """The toy has no query analysis: its prompt's slots already are one."""
@@ -185,6 +199,17 @@ class ToySystem:
         return answer == query["answer"]
 
 
+def planner_generation(args):
+    """`common.sample_completions`' settings for the planner, from the flags: the plan's token cap,
+    prompts and padded tokens per `generate` call, the forwards' precision."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "batch_rows": args.gen_batch,
+        "token_budget": args.gen_tokens,
+        "precision": args.mixed_precision,
+    }
+
+
 def build_toy(args, device):
     """The toy system with a tiny Qwen2 planner, untrained (agentflow.warm_start teaches it the
     format)."""
@@ -196,7 +221,7 @@ def build_toy(args, device):
         len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
     )
     planner = planner.to(device)
-    return ToySystem(train, test, kb, tokenizer, planner)
+    return ToySystem(train, test, kb, tokenizer, planner, planner_generation(args))
 
 
 def plot_accuracy_comparison(start, records, other_records, name, other, path):

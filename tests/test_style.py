@@ -232,14 +232,18 @@ def test_each_loop_reads_as_its_algorithm_box():
     per line (a per-run constant is bound once above the loop, not restated each step), and no
     loop computes a ratio or log-ratio itself: each loss returns the statistics it owns. No script
     writes a micro-batch's π_old, π_ref or sampler log-probs (common scores and reads them).
+    Every loop times its rollout, preparation and update (one line each, the same names).
     FlowRL's update holds no `args.algo` test (each arm's loss is picked once, above the loop)
-    and trajectory_balance_loss returns its statistics."""
+    and trajectory_balance_loss returns its statistics. AgentFlow's rollout is one system: its
+    planner samples inside it (`system.plan`), with no sampler passed beside it."""
     import ast
+    import inspect
     import sys
 
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import agentflow
     import flowrl
     import readability
 
@@ -258,6 +262,9 @@ def test_each_loop_reads_as_its_algorithm_box():
             and node.id in ("ratio", "log_ratio")
         ]
         assert not ratios, (name, "a ratio computed in the loop", ratios)
+        timed = {ast.unparse(n.items[0]) for n in ast.walk(loop) if isinstance(n, ast.With)}
+        phases = {f"phases.time('{phase}')" for phase in ("rollout", "prepare", "update")}
+        assert phases <= timed, (name, "phases not timed", phases - timed)
         writes = [  # π_old is chosen in one place (common.old_logprobs), never written back
             node.lineno
             for node in ast.walk(ast.parse(source))
@@ -281,3 +288,8 @@ def test_each_loop_reads_as_its_algorithm_box():
         clip_eps=0.2,
     )
     assert {"ratio_dev", "w_mean", "log_z", "residual_abs"} <= set(stats)
+    assert list(inspect.signature(agentflow.run_agent).parameters) == [
+        "queries",
+        "system",
+        "max_turns",
+    ]
