@@ -399,7 +399,7 @@ def run_agent(queries, system, max_turns):
         calls = []
         for i, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             trajectories[i]["turns"].append(
-                {"prompt": prompt, "ids": ids, "old_logp": logp, "text": text}
+                {"prompt": prompt, "ids": ids, "sampler_logp": logp, "text": text}
             )
             try:
                 tool, subgoal = system.parse_plan(text)
@@ -472,8 +472,8 @@ def evaluate(system, queries, args, accelerator=None):
     mine = queries[rank::world]  # empty on a rank past the last query
     trajectories = []
     if mine:
-        # every module greedy at evaluation (the original's): `system` as built
-        trajectories = run_agent(mine, system, args.eval_max_turns)
+        # every module greedy at evaluation (the original's)
+        trajectories = run_agent(mine, system.sampling(0.0), args.eval_max_turns)
     my_numbers = [
         (t["reward"], len(t["turns"]), [e["ok"] for e in t["memory"].entries]) for t in trajectories
     ]
@@ -589,11 +589,10 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         #    update, π_ref once
         prompts = [turn["prompt"] for turn, _ in trained_turns]
         completions = [turn["ids"] for turn, _ in trained_turns]
-        sampler_logps = [turn["old_logp"] for turn, _ in trained_turns]
+        sampler_logps = [turn["sampler_logp"] for turn, _ in trained_turns]
         advantages = torch.tensor([a for _, a in trained_turns], device=device)  # (turn-samples,)
         planner.train()
         minibatch_indices = turn_minibatches(len(trained_turns), step, args, accelerator)
-        # else on-policy: π_old = logp.detach()
         reused = args.inner_steps > 1 or len(minibatch_indices) > 1
         with phases.time("prepare"):
             minibatches = [

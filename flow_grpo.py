@@ -270,7 +270,7 @@ def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
     σ_{j+1}):
         ρ = exp(log π_θ(x_{j+1}|x_j) − log π_old(x_{j+1}|x_j))   (Eqs. 7–9 give the density)
         L = mean_i [ −min(ρ_i·A_i, clip(ρ_i, 1−ε, 1+ε)·A_i) + β·KL_i ],  KL = ‖μ_θ − μ_ref‖²/(2σ_t²)
-    v_ref None means β = 0. Returns (loss, logp, stats)."""
+    v_ref None means β = 0. Returns (loss, stats)."""
     sigma, sigma_next = sigmas
     _, logp, mean, std = sde_step_with_logprob(
         v, x, sigma, sigma_next, objective.noise_level, prev_sample=x_next
@@ -294,7 +294,7 @@ def step_loss(v, v_ref, x, x_next, *, sigmas, old_logp, advantages, objective):
         "kl": kl.mean().item(),
         "ratio_dev": (ratio.detach() - 1).abs().max().item(),
     }
-    return loss, logp, stats
+    return loss, stats
 
 
 def gaussian_mean_kl(mean, ref_mean, std):
@@ -612,7 +612,7 @@ def train(args):
                                 v_ref = guided_velocity(
                                     task.ref_velocity, x, sigma, sub_cond, sub_empty, args.guidance
                                 )
-                        loss, logp, stats = step_loss(
+                        loss, stats = step_loss(
                             v,
                             v_ref,
                             x,

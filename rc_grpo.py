@@ -492,7 +492,7 @@ def grpo_arm(args, world, name, *, use_tokens, reward_conditioned, out_dir, acce
         model_steps = [(s, a) for r, a in zip(rollouts, advantages.tolist()) for s in r["steps"]]
         prompts = [s["prompt"] for s, _ in model_steps]
         completions = [s["ids"] for s, _ in model_steps]
-        sampler_logps = [s["old_logp"] for s, _ in model_steps]
+        sampler_logps = [s["sampler_logp"] for s, _ in model_steps]
         token_count = max(1, sum(len(c) for c in completions))
 
         # 4. one optimiser step, gradients accumulated over token-bounded micro-batches; on-policy,

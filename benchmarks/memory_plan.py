@@ -693,7 +693,7 @@ def measure_sd3(shape):
             v = flow_grpo.guided_velocity(policy, x, sigmas[0], cond, empty, 4.5)
             with torch.no_grad():
                 v_ref = flow_grpo.guided_velocity(reference, x, sigmas[0], cond, empty, 4.5)
-            loss, _, _ = flow_grpo.step_loss(
+            loss, _ = flow_grpo.step_loss(
                 v,
                 v_ref,
                 x,

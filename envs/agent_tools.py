@@ -87,7 +87,7 @@ class ToolSystem:
     planner: object
     retrieve: object
     tool_timeout: float
-    generation: dict  # how the planner and the frozen modules sample (`planner_generation`)
+    generation: dict  # how the planner and the frozen modules sample (`generation_settings`)
     hidden_files: tuple
     unsafe_python_tool: bool = False  # the user's opt-in to run model code unisolated
     planner_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
@@ -349,7 +349,7 @@ def build_full(args, device):
         planner.to(device),
         retrieve,
         args.tool_timeout,
-        agent_toy.planner_generation(args),
+        agent_toy.generation_settings(args),
         hidden,
         args.unsafe_python_tool,
     )

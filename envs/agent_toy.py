@@ -97,7 +97,7 @@ class ToySystem:
     kb: dict
     tokenizer: object
     planner: object
-    generation: dict  # how the planner samples (`planner_generation`)
+    generation: dict  # how the planner samples (`generation_settings`)
     planner_temperature: float = 0.0  # greedy as built; `sampling` gives the training copy
 
     def sampling(self, temperature):
@@ -199,7 +199,7 @@ class ToySystem:
         return answer == query["answer"]
 
 
-def planner_generation(args):
+def generation_settings(args):
     """`common.sample_completions`' settings for the planner, from the flags: the plan's token cap,
     prompts and padded tokens per `generate` call, the forwards' precision."""
     return {
@@ -221,7 +221,7 @@ def build_toy(args, device):
         len(tokenizer), seed=args.seed, gradient_checkpointing=args.gradient_checkpointing
     )
     planner = planner.to(device)
-    return ToySystem(train, test, kb, tokenizer, planner, planner_generation(args))
+    return ToySystem(train, test, kb, tokenizer, planner, generation_settings(args))
 
 
 def plot_accuracy_comparison(start, records, other_records, name, other, path):

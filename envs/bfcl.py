@@ -659,7 +659,7 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
             row_seeds=row_seeds,
         )
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
-            run["steps"].append({"prompt": prompt, "ids": ids, "old_logp": logp})
+            run["steps"].append({"prompt": prompt, "ids": ids, "sampler_logp": logp})
             run["messages"].append({"role": "assistant", "content": text})
             calls = decode_calls(text)
             if calls:

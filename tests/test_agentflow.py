@@ -366,7 +366,7 @@ def test_the_demonstrator_shows_every_query_with_the_same_tool_mix_on_every_seed
 
 
 def test_the_executor_sees_the_memory_so_far(monkeypatch):
-    system = agent_tools.ToolSystem([], [], None, None, lambda q: "found", 1.0, 8, 8, ())
+    system = agent_tools.ToolSystem([], [], None, None, lambda q: "found", 1.0, GENERATION, ())
     seen = []
     monkeypatch.setattr(
         agent_tools.ToolSystem,
@@ -435,11 +435,11 @@ def test_the_planner_reads_the_query_analysis_and_its_step(tmp_path, monkeypatch
     prompt = trajectory["turns"][0]["prompt"]
     assert "Query analysis: ANALYSIS-0" in prompt and "step 1 of at most 3" in prompt
     assert set(temperatures) == {0.7}
-    assert trajectory["turns"][0]["old_logp"].abs().sum() > 0  # the planner sampled at T
+    assert trajectory["turns"][0]["sampler_logp"].abs().sum() > 0  # the planner sampled at T
     temperatures.clear()
     _, (greedy,) = agentflow.evaluate(system, system.train[:1], args)
     assert set(temperatures) == {0.0}
-    assert greedy["turns"][0]["old_logp"].abs().sum() == 0  # and greedily at evaluation
+    assert greedy["turns"][0]["sampler_logp"].abs().sum() == 0  # and greedily at evaluation
 
 
 @pytest.mark.long

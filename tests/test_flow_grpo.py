@@ -338,7 +338,7 @@ def policy_gradient(net, dtype, j, loss_scale=1.0):
     x_next, old_logp, _, _ = flow_grpo.sde_step_with_logprob(
         v.detach(), x, sigmas[j], sigmas[j + 1], 0.7, noise=torch.randn(x.shape, generator=gen)
     )
-    loss, _, _ = flow_grpo.step_loss(
+    loss, _ = flow_grpo.step_loss(
         v,
         None,
         x,
