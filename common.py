@@ -229,23 +229,46 @@ def generation_chunks(prompt_lengths, max_new_tokens, batch_rows, token_budget=0
     return chunks
 
 
-def prompt_cache(model, ids, attn, prompt_of):
-    """The KV cache of each distinct prompt (ids, attn: (U, P), left-padded) but its last token,
-    run once and copied to the rows that sample from it (`prompt_of`: (B,) indices): `generate`
-    then runs only the last token of each row's prompt (None for one-token prompts, which
-    `generate` runs whole)."""
-    if ids.shape[1] < 2:
-        return None
-    attn = attn[:, :-1]
-    out = model(
-        input_ids=ids[:, :-1],
-        attention_mask=attn,
-        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    out.past_key_values.batch_select_indices(prompt_of)
-    return out.past_key_values
+SHARED_PREFIX_MIN = 8  # tokens: a shorter common prefix stays in the rows (not worth a forward)
+
+
+def shared_prefix_length(rows):
+    """How many leading tokens all `rows` share, each keeping at least its last token."""
+    longest = min(map(len, rows)) - 1
+    return next((k for k in range(longest) if len({row[k] for row in rows}) > 1), longest)
+
+
+def prompt_cache(model, prompts, pad_id, prompt_of):
+    """The rows' (ids, attention mask, KV cache) for `generate`: each distinct prompt's cache but
+    its last token is run once and copied to the rows that sample from it (`prompt_of`: (B,)
+    indices), and the prefix all prompts share (a chat template's system turn, at least
+    SHARED_PREFIX_MIN tokens) once for them all. A row is laid out as that prefix, left padding,
+    then the rest of its prompt; `generate` runs only each row's last prompt token (the cache is
+    None for one-token prompts, which `generate` runs whole)."""
+    shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
+    shared = shared if shared >= SHARED_PREFIX_MIN else 0
+    rest = [p[shared:] for p in prompts]
+    width = max(map(len, rest))
+    ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
+    attn = [[1] * shared + [0] * (width - len(r)) + [1] * len(r) for r in rest]
+    ids, attn = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
+    cache = None
+    if shared:
+        cache = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(len(prompts))
+    if ids.shape[1] - shared >= 2:
+        cached = attn[:, :-1]
+        cache = model(
+            input_ids=ids[:, shared:-1],
+            attention_mask=cached,
+            position_ids=(cached.cumsum(-1) - 1).clamp(min=0)[:, shared:],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).past_key_values
+    if cache is not None:
+        cache.batch_select_indices(prompt_of)
+    return ids[prompt_of], attn[prompt_of], cache
 
 
 @torch.no_grad()
@@ -275,27 +298,23 @@ def sample_completions(
     model.eval()
     config = generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos)
     stop = torch.tensor(config.eos_token_id or [], dtype=torch.long)
-    tokenizer.padding_side = "left"
     out = []
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
         lo, hi = chunk.start, chunk.stop
         # each distinct prompt (the G copies of a group's) is prefilled once, its cache shared
         distinct = list(dict.fromkeys(prompts[lo:hi]))
-        enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = enc.to(model.device)
+        distinct_ids = tokenizer(distinct, add_special_tokens=False)["input_ids"]
         prompt_of = torch.tensor([distinct.index(p) for p in prompts[lo:hi]], device=model.device)
-        ids, attn = enc["input_ids"][prompt_of], enc["attention_mask"][prompt_of]
         recorder = SampledLogprobs(
             temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
         )
         with training_autocast(model.device, precision):  # the precision the trainer scores in
+            ids, attn, cache = prompt_cache(model, distinct_ids, tokenizer.pad_token_id, prompt_of)
             seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
                 input_ids=ids,
                 attention_mask=attn,
-                past_key_values=prompt_cache(
-                    model, enc["input_ids"], enc["attention_mask"], prompt_of
-                ),
+                past_key_values=cache,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 synced_gpus=False,

@@ -412,13 +412,19 @@ def test_a_shared_prompt_gives_each_rows_loss_and_gradient(checkpointed):
     assert mb.tokens == len(distinct) < int(attn.sum())  # each distinct prefix once
 
 
-def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before():
-    """sample_completions prefills a group's prompt once and copies its cache to the G rows: the
-    greedy completions are `generate`'s on the rows packed whole, and seeded rows draw the same
-    tokens with the same log-probs (within rounding) as each row generated alone."""
+@pytest.mark.parametrize("system", ["", "h g h g h g h g h "])
+def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before(system):
+    """sample_completions prefills a group's prompt once and copies its cache to the G rows, and a
+    prefix every prompt shares (a `system` turn) once for all: the greedy completions are
+    `generate`'s on the rows packed whole, and seeded rows draw the same tokens with the same
+    log-probs (within rounding) as each row generated alone."""
     from transformers import LogitsProcessorList
 
     tok, prompts, _ = shared_rows()
+    prompts = [system + p for p in prompts]
+    ids = tok(list(dict.fromkeys(prompts)), add_special_tokens=False)["input_ids"]
+    shared = common.shared_prefix_length(ids)
+    assert (shared >= common.SHARED_PREFIX_MIN) == bool(system)
     model = models.tiny_causal_lm(len(tok)).eval()
     greedy = common.sample_completions(model, tok, prompts, 6, temperature=0.0, stop_at_eos=False)
     tok.padding_side = "left"
