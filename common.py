@@ -14,6 +14,7 @@ precision, seeds. Plumbing (processes and their gradient all-reduce, flags, mode
 checkpoints, sweeps) lives in utils/; this module imports no other module of the project.
 """
 
+import copy
 import dataclasses
 import random
 
@@ -239,12 +240,13 @@ def shared_prefix_length(rows):
 
 
 def prompt_cache(model, prompts, pad_id, prompt_of):
-    """The rows' (ids, attention mask, KV cache) for `generate`: each distinct prompt's cache but
-    its last token is run once and copied to the rows that sample from it (`prompt_of`: (B,)
-    indices), and the prefix all prompts share (a chat template's system turn, at least
-    SHARED_PREFIX_MIN tokens) once for them all. A row is laid out as that prefix, left padding,
-    then the rest of its prompt; `generate` runs only each row's last prompt token (the cache is
-    None for one-token prompts, which `generate` runs whole)."""
+    """The rows' (ids, attention mask, KV cache) for `generate`, each prompt token computed once:
+    the prefix all prompts share (a chat template's system turn, at least SHARED_PREFIX_MIN
+    tokens) once for them all, then each distinct prompt's rest but its last token, without
+    padding (one forward per rest length), copied to the rows that sample from it (`prompt_of`:
+    (B,) indices). A row is laid out as that prefix, left padding, then the rest of its prompt;
+    `generate` runs only each row's last prompt token (the cache is None for one-token prompts,
+    which `generate` runs whole)."""
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
     shared = shared if shared >= SHARED_PREFIX_MIN else 0
     rest = [p[shared:] for p in prompts]
@@ -252,22 +254,43 @@ def prompt_cache(model, prompts, pad_id, prompt_of):
     ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
     attn = [[1] * shared + [0] * (width - len(r)) + [1] * len(r) for r in rest]
     ids, attn = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
-    cache = None
+    if shared + width < 2:
+        return ids[prompt_of], attn[prompt_of], None
+    prefix = None
     if shared:
-        cache = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
-        cache.batch_repeat_interleave(len(prompts))
-    if ids.shape[1] - shared >= 2:
-        cached = attn[:, :-1]
-        cache = model(
-            input_ids=ids[:, shared:-1],
-            attention_mask=cached,
-            position_ids=(cached.cumsum(-1) - 1).clamp(min=0)[:, shared:],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).past_key_values
-    if cache is not None:
-        cache.batch_select_indices(prompt_of)
+        prefix = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
+    caches = []  # (prompts, their cache: prefix + rest but its last token), one per rest length
+    for length in sorted(set(map(len, rest))):
+        rows = [i for i, r in enumerate(rest) if len(r) == length]
+        cache = copy.deepcopy(prefix)
+        if cache is not None:
+            cache.batch_repeat_interleave(len(rows))
+        if length >= 2:
+            run = torch.tensor([rest[i][:-1] for i in rows], device=model.device)
+            positions = torch.arange(shared, shared + length - 1, device=model.device)
+            cache = model(
+                input_ids=run,
+                position_ids=positions.expand(len(rows), -1),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+        caches.append((rows, cache))
+    # every prompt's keys and values in its row's layout, masked slots zero
+    order = torch.tensor([i for rows, _ in caches for i in rows]).argsort().to(model.device)
+    cache = next(c for _, c in caches if c is not None)
+    for layer, kept in enumerate(cache.layers):
+        for name in ("keys", "values"):
+            full = []
+            for rows, c in caches:
+                states = getattr(c.layers[layer], name) if c is not None else None
+                heads, dim = getattr(kept, name).shape[1], getattr(kept, name).shape[3]
+                if states is None:
+                    states = getattr(kept, name).new_zeros(len(rows), heads, 0, dim)
+                pad = states.new_zeros(len(rows), heads, shared + width - 1 - states.shape[2], dim)
+                full.append(torch.cat([states[:, :, :shared], pad, states[:, :, shared:]], 2))
+            setattr(kept, name, torch.cat(full)[order])
+    cache.batch_select_indices(prompt_of)
     return ids[prompt_of], attn[prompt_of], cache
 
 
