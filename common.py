@@ -239,6 +239,7 @@ def shared_prefix_length(rows):
     return next((k for k in range(longest) if len({row[k] for row in rows}) > 1), longest)
 
 
+@torch.no_grad()
 def prompt_cache(model, prompts, pad_id, prompt_of):
     """The rows' (ids, attention mask, KV cache) for `generate`, each prompt token computed once:
     the prefix all prompts share (a chat template's system turn, at least SHARED_PREFIX_MIN

@@ -417,7 +417,8 @@ def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before(syste
     """sample_completions prefills a group's prompt once and copies its cache to the G rows, and a
     prefix every prompt shares (a `system` turn) once for all: the greedy completions are
     `generate`'s on the rows packed whole, and seeded rows draw the same tokens with the same
-    log-probs (within rounding) as each row generated alone."""
+    log-probs (within rounding) as each row generated alone. The prefill computes no padding: the
+    shared prefix once, then each distinct prompt's rest but its last token."""
     from transformers import LogitsProcessorList
 
     tok, prompts, _ = shared_rows()
@@ -426,6 +427,14 @@ def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before(syste
     shared = common.shared_prefix_length(ids)
     assert (shared >= common.SHARED_PREFIX_MIN) == bool(system)
     model = models.tiny_causal_lm(len(tok)).eval()
+    computed = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: computed.append(args[0].numel())
+    )
+    common.prompt_cache(model, ids, tok.pad_token_id, torch.tensor([0, 0, 1, 2, 2, 2]))
+    hook.remove()
+    shared = shared if system else 0
+    assert sum(computed) == shared + sum(len(row) - shared - 1 for row in ids)
     greedy = common.sample_completions(model, tok, prompts, 6, temperature=0.0, stop_at_eos=False)
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
