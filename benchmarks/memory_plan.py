@@ -21,6 +21,7 @@ whose workspace differs between the CPU measured here and a GPU (SDPA's; cuBLAS'
 """
 
 import argparse
+import collections
 import copy
 import json
 import sys
@@ -157,22 +158,19 @@ STREAM_BYTES = {"fp32": 4, "bf16": 2, "lora": 2, "lora2": 2}  # the residual str
 LOGIT_BYTES = 18  # per completion logit: bf16 logits, their fp32 copy, that copy's gradient
 
 
-def rollout_terms(config, rows, prompt_tokens, new_tokens, kind, padded=True):
+def rollout_terms(config, rows, prompt_tokens, new_tokens, kind, prefill_tokens=None):
     """One `generate` call's peak beside the weights, the larger of two moments: the prefill's
-    last layer (the prompts' KV cache, one MLP's temporaries over every prompt token, and the
-    (rows, 1, L, L) boolean padding mask transformers builds for left-padded rows) or the last
-    decode step (the whole KV cache, and the copy DynamicCache's `torch.cat` makes of one layer's
-    K/V as it grows). Not planned: on a GPU, SDPA turns the boolean mask into a bf16 bias inside
-    each layer (2 bytes per element, freed after the layer), which the CPU kernel tracked here
-    does not."""
+    last layer (the prompts' KV cache, and one MLP's temporaries over the tokens of its largest
+    forward, `prefill_tokens`: `common.prompt_cache` runs the prompts of each length together,
+    unpadded; default every row at `prompt_tokens`, prompts of one length) or the last decode step
+    (the whole KV cache, and the copy DynamicCache's `torch.cat` makes of one layer's K/V as it
+    grows)."""
     h, layers, inter, _, _ = shape_of(config)
     per_inter, per_hidden = PREFILL_MLP[kind]
     prompt = rows * prompt_tokens
-    mask = rows * prompt_tokens**2 if padded else 0
     prefill = {
         "kv_cache_prompts": prompt * kv_bytes_per_token(config),
-        "prefill_mlp": prompt * (per_inter * inter + per_hidden * h),
-        "padding_mask": mask,
+        "prefill_mlp": (prefill_tokens or prompt) * (per_inter * inter + per_hidden * h),
     }
     total = rows * (prompt_tokens + new_tokens)
     decode = {
@@ -205,7 +203,14 @@ def log_z_head_params(config):
 
 
 def full_plan(
-    config, *, gen_rows, prompt_tokens, new_tokens, micro_batch_tokens, completion_positions=None
+    config,
+    *,
+    gen_rows,
+    prompt_tokens,
+    new_tokens,
+    micro_batch_tokens,
+    completion_positions=None,
+    prefill_tokens=None,
 ):
     """A full fine-tune on one GPU (flowrl --preset full), {phase: {term: bytes}}: fp32 master
     weights, an fp32 copy as π_ref (flowrl.py deep-copies the model), fp32 gradients (held from the
@@ -223,7 +228,8 @@ def full_plan(
     }
     positions = completion_positions or micro_batch_tokens
     return {
-        "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "fp32"),
+        "rollout": state
+        | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "fp32", prefill_tokens),
         "update": state | micro_batch_terms(config, micro_batch_tokens, positions, "fp32"),
     }
 
@@ -237,6 +243,7 @@ def fsdp_plan(
     new_tokens,
     micro_batch_tokens,
     completion_positions=None,
+    prefill_tokens=None,
     accumulate_unsharded=True,
 ):
     """A full fine-tune sharded over `gpus` (flowrl --fsdp), per GPU: {phase: {term: bytes}}.
@@ -281,7 +288,7 @@ def fsdp_plan(
         "load": {"policy_fp32": 4 * params, "reference_fp32": 4 * params},
         "rollout": shards
         | {"gathered_policy": 2 * params}
-        | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "bf16"),
+        | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, "bf16", prefill_tokens),
         "update": update,
     }
 
@@ -296,6 +303,7 @@ def lora_plan(
     new_tokens,
     micro_batch_tokens,
     completion_positions=None,
+    prefill_tokens=None,
 ):
     """LoRA on a bf16 base (rc_grpo --preset bfcl: a frozen stage-1 adapter and the trained stage-2
     one; agentflow --preset full: one), {phase: {term: bytes}}: the base, the adapters in fp32, the
@@ -312,7 +320,8 @@ def lora_plan(
     positions = completion_positions or micro_batch_tokens
     kind = "lora2" if adapters == 2 else "lora"
     return {
-        "rollout": state | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, kind),
+        "rollout": state
+        | rollout_terms(config, gen_rows, prompt_tokens, new_tokens, kind, prefill_tokens),
         "update": state | micro_batch_terms(config, micro_batch_tokens, positions, kind),
     }
 
@@ -532,19 +541,23 @@ def packed_shape(batches):
 
 
 def plan_args(shape, batches):
-    """The plan's keyword arguments for a scaled shape and its packed micro-batches."""
+    """The plan's keyword arguments for a scaled shape and its packed micro-batches (its prompts
+    share no prefix: the largest prefill forward is the most tokens of one length in a call)."""
     import common
 
     tokens, positions = packed_shape(batches)
+    lengths = shape["prompt_lengths"]
     chunks = common.generation_chunks(
-        shape["prompt_lengths"], shape["new_tokens"], shape["gen_rows"], shape.get("gen_tokens", 0)
+        lengths, shape["new_tokens"], shape["gen_rows"], shape.get("gen_tokens", 0)
     )
+    of_length = [collections.Counter(lengths[i] for i in chunk) for chunk in chunks]
     return dict(
         gen_rows=max(map(len, chunks)),
-        prompt_tokens=max(shape["prompt_lengths"]),
+        prompt_tokens=max(lengths),
         new_tokens=shape["new_tokens"],
         micro_batch_tokens=tokens,
         completion_positions=positions,
+        prefill_tokens=max(n * (k - 1) for c in of_length for k, n in c.items()),
     )
 
 
