@@ -88,7 +88,7 @@ Toy (CPU, under a minute for both credit arms; docs/agentflow.md):
     python agentflow.py               # both credit arms on seed 0 (make demo's row)
     python agentflow.py --seeds 0-4   # five seeds, one table: held-out accuracy 0.600 → 0.884
                                       # (broadcast), 0.336 (final-turn), means (docs/agentflow.md)
-Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 46 min on one thread for seed 0):
+Laptop (SmolLM2-135M-Instruct, bundled; the whole system, 27 min a seed on 2 cores):
     python agentflow.py --preset smollm2-lookup --seed S --no-ablation  # held-out 0.000 → 0.417
                                             # on seeds 0, 1, 3, 4 and 0.375 on seed 2; final-turn
                                             # credit as good (within one question on the
