@@ -108,9 +108,9 @@ def distance(a, b):
     ],
     ids=["flowrl-grpo", "flow_grpo"],
 )
-def test_two_processes_train_what_one_process_trains(tmp_path, flow_grpo_cache, flags):
-    if flags[0] == "flow_grpo":
-        flags = [*flags, "--cache-dir", str(flow_grpo_cache)]
+def test_two_processes_train_what_one_process_trains(tmp_path, request, flags):
+    if flags[0] == "flow_grpo":  # asked for here only: the flowrl run never waits for its training
+        flags = [*flags, "--cache-dir", str(request.getfixturevalue("flow_grpo_cache"))]
     (one,) = train_and_load(tmp_path, "one", 1, flags)
     rank0, rank1 = train_and_load(tmp_path, "two", 2, flags)
 
