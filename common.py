@@ -112,13 +112,13 @@ def completion_forward(
 def micro_batch_logprobs(model, mb, temperature=1.0):
     """log π(y_t | x, y_<t) of a micro-batch's completions → (B, W), each distinct prompt run once
     (`micro_batch_forward`)."""
-    logp, _, _ = micro_batch_forward(model, mb, temperature)
+    logp, _ = micro_batch_forward(model, mb, temperature)
     return logp
 
 
 def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
-    """(log π of the completions (B, W), each row's prompt states (B, P, H) and their mask (B, P))
-    — the states (the last layer's, what FlowRL's log Z reads) only with `prompt_states`.
+    """(log π of the completions (B, W), each row's prompt states (B, P, H), on `mb.prompt_mask`) —
+    the states (the last layer's, what FlowRL's log Z reads) only with `prompt_states`.
 
     One forward over the micro-batch's prefix tree: each node attends to itself and its ancestors
     at its depth's position, so every row sees exactly its own prompt and completion, and each
@@ -142,7 +142,7 @@ def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
     if temperature != 1.0:
         logits = logits / temperature
     states = out.hidden_states[-1][0, mb.prompt_nodes] if prompt_states else None
-    return token_logprobs(logits, mb.completion_ids), states, mb.prompt_mask
+    return token_logprobs(logits, mb.completion_ids), states
 
 
 def eos_token_ids(model, tokenizer):

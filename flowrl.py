@@ -710,7 +710,7 @@ def train(args):
                 # --fsdp: one gradient reduction, the empty micro-batches' passes (the iterator's)
                 for mb in distributed.micro_batches(model, minibatch, autocast):
                     with autocast:  # log π_θ (B, W) and the prompt states log Z reads (B, P, H)
-                        logp, prompt_states, _ = common.micro_batch_forward(
+                        logp, prompt_states = common.micro_batch_forward(
                             model, mb, prompt_states=True
                         )
                     old_logp = common.old_logprobs(mb, logp)  # π_θ before the first update

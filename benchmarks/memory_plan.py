@@ -452,7 +452,7 @@ def flowrl_update_step(model, head, batches, micro_batches):
     def step():
         for mb in micro_batches(batches):
             with autocast:
-                logp, prompt_states, _ = common.micro_batch_forward(model, mb, prompt_states=True)
+                logp, prompt_states = common.micro_batch_forward(model, mb, prompt_states=True)
             log_z = head(prompt_states, mb.prompt_mask.float())
             loss, _ = flowrl.trajectory_balance_loss(
                 log_z,

@@ -390,7 +390,7 @@ def test_a_shared_prompt_gives_each_rows_loss_and_gradient(checkpointed):
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
     mb = common.pack_micro_batch(tok, prompts, completions, "cpu", range(6))
-    logp, states, prompt_mask = common.micro_batch_forward(model, mb, prompt_states=True)
+    logp, states = common.micro_batch_forward(model, mb, prompt_states=True)
     shared_loss, shared_grads = loss_and_grads(logp, mb.mask)
     ids, attn, mask = common.pack_completions(tok, prompts, completions, "cpu")
     plain_logp, out = common.completion_forward(model, ids, attn, 4, output_hidden_states=True)
@@ -403,7 +403,7 @@ def test_a_shared_prompt_gives_each_rows_loss_and_gradient(checkpointed):
     plain_states = out.hidden_states[-1][:, :-4][
         attn[:, :-4].bool()
     ]  # real prompt tokens, in order
-    torch.testing.assert_close(states[prompt_mask.bool()], plain_states, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(states[mb.prompt_mask.bool()], plain_states, atol=1e-5, rtol=1e-4)
     distinct = {
         tuple(tok(p, add_special_tokens=False)["input_ids"] + c)[:k]
         for p, c in zip(prompts, completions)

@@ -94,6 +94,8 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
         "0",
         "--eval-every",
         "100",
+        "--eval-k",
+        "1",  # the evaluations at the start and end: one sample per prompt, not the preset's 16
         "--save-every",
         "0",
         "--mixed-precision",
