@@ -464,13 +464,15 @@ DIVERGING_RUNS = {  # --lr 1e308: the first optimiser step makes the weights inf
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_learning_rate_that_makes_the_weights_non_finite_is_one_line(
-    name, tmp_path, flow_grpo_cache
-):
+def test_a_learning_rate_that_makes_the_weights_non_finite_is_one_line(name, tmp_path, request):
     """The next forward after the diverged step stops the run in one line, wherever it comes
     first: the update's loss (common.check_finite) or, in rc_grpo, the next rollout, whose NaN
     logits generate's last logits processor refuses."""
-    cache = ["--cache-dir", str(flow_grpo_cache)] if name == "flow_grpo" else []
+    cache = (
+        ["--cache-dir", str(request.getfixturevalue("flow_grpo_cache"))]
+        if name == "flow_grpo"
+        else []
+    )
     flags = [*DIVERGING_RUNS[name], *cache, "--lr", "1e308", "--quiet", "--out-dir", str(tmp_path)]
     args = cli.parse_args(SCRIPTS[name].Args, SCRIPTS[name].PRESETS, flags)
     with pytest.raises(SystemExit) as exit_info:

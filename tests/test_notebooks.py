@@ -72,14 +72,21 @@ def unsized_cells(book):
     return cells
 
 
+def use_flow_grpo_cache(path, monkeypatch, request):
+    """The flow_grpo notebook reads the session's toy cache (FLOW_GRPO_CACHE); the others never ask
+    for it, so none of them waits while another worker trains it."""
+    if path.stem == "flow_grpo":
+        monkeypatch.setenv("FLOW_GRPO_CACHE", str(request.getfixturevalue("flow_grpo_cache")))
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path, monkeypatch, flow_grpo_cache):
+def test_notebook_executes(path, tmp_path, monkeypatch, request):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
     # NOTE: one OpenMP thread in the kernel: with two on two busy cores, a tiny model's step was
     # measured 40× slower under ipykernel than in a script.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
+    use_flow_grpo_cache(path, monkeypatch, request)
     book = nbformat.read(path, as_version=4)
     stored = {id(c): stored_stdout(c) for c in book.cells if c.cell_type == "code"}
     workdir = tmp_path / "notebooks"  # runs/ written by the notebook stay in the temporary folder
@@ -146,10 +153,10 @@ def test_every_exercise_is_a_command_the_script_takes(path):
 
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_every_exercise_runs_at_a_small_size(path, tmp_path, monkeypatch, flow_grpo_cache):
+def test_every_exercise_runs_at_a_small_size(path, tmp_path, monkeypatch, request):
     """Each exercise's command trains its toy for one step at the notebook tests' sizes."""
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
-    monkeypatch.setenv("FLOW_GRPO_CACHE", str(flow_grpo_cache))
+    use_flow_grpo_cache(path, monkeypatch, request)
     harness = importlib.reload(importlib.import_module("notebooks.harness"))
     module = importlib.import_module(path.stem)
     tiny = harness.sizes(path.stem)[0] | {"steps": 1, "epochs": 1, "eval_every": 1}

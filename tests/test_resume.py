@@ -144,9 +144,9 @@ def check_whole_run(script, folder):
         ),
     ],
 )
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, flow_grpo_cache, script, flags):
-    flags = (
-        [*flags, "--quiet", "--cache-dir", str(flow_grpo_cache)]
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, request, script, flags):
+    flags = (  # flow_grpo's toy cache asked for by its run only: no other run waits for it
+        [*flags, "--quiet", "--cache-dir", str(request.getfixturevalue("flow_grpo_cache"))]
         if script == "flow_grpo.py"
         else [*flags, "--quiet"]
     )
