@@ -196,17 +196,12 @@ class SampledLogprobs:
                 torch.Generator(scores.device).manual_seed(seed) for seed in self.row_seeds
             ]
             # one exponential draw per token, −log(1 − U) from a double U of the row's own
-            # generator (what exponential_ draws, bit for bit), the logarithm taken for all rows
-            # at once; then one argmax: the Gumbel-style trick that torch.multinomial itself uses
-            # for one sample, so the same tokens (a test)
-            uniform = torch.stack(
-                [
-                    torch.rand(
-                        scores.shape[1], generator=rng, dtype=torch.float64, device=scores.device
-                    )
-                    for rng in self.rngs
-                ]
-            )
+            # generator (on CPU, what exponential_ draws, bit for bit), the logarithm taken for all
+            # rows at once; then one argmax: the Gumbel-style trick that torch.multinomial itself
+            # uses for one sample, so the same tokens (a test)
+            uniform = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
+            for row, rng in zip(uniform, self.rngs):
+                row.uniform_(generator=rng)
             noise = uniform.neg_().log1p_().neg_().float()
             drawn = (self.last.exp() / noise).argmax(dim=-1)
             keep = torch.full_like(scores, -float("inf"))

@@ -325,9 +325,9 @@ def test_no_generate_call_of_a_run_exceeds_its_token_budget(tmp_path, name, monk
 
 
 def test_the_vectorised_row_sampler_draws_what_a_multinomial_per_row_draws():
-    """SampledLogprobs draws every row's token with one exponential per row and one argmax; a loop
-    of torch.multinomial calls, each on its row's own generator, draws the same tokens step after
-    step."""
+    """SampledLogprobs draws every row's token with one exponential per vocabulary entry and one
+    argmax; a loop of torch.multinomial calls, each on its row's own generator, draws the same
+    tokens step after step."""
     seeds = list(range(16))
     sampler = common.SampledLogprobs(0.7, row_seeds=seeds)
     loop_rngs = [torch.Generator().manual_seed(s) for s in seeds]
