@@ -117,7 +117,7 @@ def micro_batch_logprobs(model, mb, temperature=1.0):
 
 
 def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
-    """(log π of the completions (B, W), each row's prompt states (B, P, H), on `mb.prompt_mask`) —
+    """(log π of the completions (B, W), each row's prompt states (B, P, H) on `mb.prompt_mask`):
     the states (the last layer's, what FlowRL's log Z reads) only with `prompt_states`.
 
     One forward over the micro-batch's prefix tree: each node attends to itself and its ancestors
