@@ -42,11 +42,12 @@ if __name__ == "__main__":
     script, prefix = sys.argv[1], sys.argv[2]
     module = importlib.import_module(script)
     calls = []
-    if os.environ.get("COUNT_CALLS"):  # how often this rank runs one of the script's functions
-        counted = getattr(module, os.environ["COUNT_CALLS"])
-        setattr(
-            module, os.environ["COUNT_CALLS"], lambda *a, **k: calls.append(1) or counted(*a, **k)
-        )
+    if os.environ.get("COUNT_CALLS"):  # how often this rank runs a function of the script, or
+        # of another module ("common.pack_micro_batch")
+        owner, _, name = os.environ["COUNT_CALLS"].rpartition(".")
+        owner = importlib.import_module(owner) if owner else module
+        counted = getattr(owner, name)
+        setattr(owner, name, lambda *a, **k: calls.append(1) or counted(*a, **k))
     if os.environ.get("SLOW_EVAL_SECONDS"):
         from envs import flowrl_tasks
 

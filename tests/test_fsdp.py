@@ -27,11 +27,11 @@ def curve(run_dir, key="grad_norm"):
     return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_training(tmp_path, flags, initial):
-    """2 FSDP ranks vs 1 process without FSDP: identical ranks, the same weights to rounding (far
-    below how far training moved them), the same gradient-norm curve."""
+def assert_same_training(tmp_path, flags, initial, env=None):
+    """2 FSDP ranks (their environment: `env`) vs 1 process without FSDP: identical ranks, the same
+    weights to rounding (far below how far training moved them), the same gradient-norm curve."""
     (one,) = train_and_load(tmp_path, "one", 1, flags)
-    rank0, rank1 = train_and_load(tmp_path, "two", 2, [*flags, "--fsdp"])
+    rank0, rank1 = train_and_load(tmp_path, "two", 2, [*flags, "--fsdp"], env)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
     moved = distance(one, [p.detach() for p in initial.parameters()])
     assert moved > 1e-3, "training did not change the parameters; the comparison would be empty"
@@ -62,10 +62,11 @@ def test_sharded_toy_trains_what_one_process_trains(tmp_path):
 
 
 def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path):
-    """SmolLM2 on the full preset's path (chat template, EOS, checkpointing). The ranks' rows are 59
-    and 62 tokens wide, so a 120-token budget packs rank 0's two rows in 1 micro-batch and rank
-    1's in 2: rank 0 runs an empty one, or rank 1's second all-gather would wait forever (the
-    subprocess timeout fails the test instead)."""
+    """SmolLM2 on the full preset's path (chat template, EOS, checkpointing), one step. Rank 0's
+    two rows share a 59-token prefix tree of 65 tokens, rank 1's one of 68, so a 66-token budget
+    packs rank 0's rows in 1 micro-batch and rank 1's in 2 (counted): rank 0 runs an empty one, or
+    rank 1's second all-gather would wait forever (the subprocess timeout fails the test
+    instead)."""
     flags = [
         "flowrl",
         "--preset",
@@ -77,7 +78,7 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
         "--algo",
         "grpo",
         "--steps",
-        "2",
+        "1",
         "--prompts-per-step",
         "2",
         "--group-size",
@@ -87,7 +88,7 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
         "--max-new-tokens",
         "6",
         "--micro-batch-tokens",
-        "120",
+        "66",
         "--lr",
         "1e-5",
         "--warmup-steps",
@@ -102,7 +103,9 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
         "fp32",
     ]
     _, initial = models.load_causal_lm("smollm2", torch.device("cpu"))
-    assert_same_training(tmp_path, flags, initial)
+    assert_same_training(tmp_path, flags, initial, {"COUNT_CALLS": "common.pack_micro_batch"})
+    packed = [int((tmp_path / f"two.rank{rank}.calls").read_text()) for rank in range(2)]
+    assert packed == [1, 2]  # the micro-batches with rows: rank 0's, rank 1's
 
 
 def save_tiny_math_model(folder):

@@ -1,12 +1,14 @@
 """Every notebook runs top to bottom with small settings (NOTEBOOK_QUICK=1), every cell tagged
-"figure" draws one, every cell the sizes do not reach prints what is stored, and full-scale cells
-only print their command without a GPU (marker `long`).
+"figure" draws one, every cell the sizes do not reach prints what is stored, full-scale cells
+only print their command without a GPU, and the SmolLM2 runs of AgentFlow's and RC-GRPO's laptop
+presets that two REAL cells train pass the real-model checks (marker `long`).
 Without running them (fast): every source and preset a notebook's stored outputs print is the
 current one, so a change to a printed function or preset fails until `make notebooks` runs."""
 
 import ast
 import importlib
 import inspect
+import json
 import os
 import re
 from pathlib import Path
@@ -79,6 +81,38 @@ def use_flow_grpo_cache(path, monkeypatch, request):
         monkeypatch.setenv("FLOW_GRPO_CACHE", str(request.getfixturevalue("flow_grpo_cache")))
 
 
+def check_agentflow_real_run(folder):
+    """The smollm2-lookup preset at its smallest (one query, G = 2, one turn, one step): the
+    sampler scored what the trainer scores, the adapter saved, and with the preset's β = 0 the only
+    gradient is the policy gradient, so it is 0 exactly when every group is flat."""
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["sampler_logprob_max_dev"] <= 1e-3
+    assert (folder / "planner" / "adapter_model.safetensors").exists()
+    step = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["turn_samples"] == 2 and step["mean_turns"] == 1
+    assert (step["grad_norm"] > 0) if step["zero_var_frac"] < 1 else step["grad_norm"] == 0
+
+
+def check_rc_grpo_real_run(folder):
+    """The smollm2-bfcl preset on two real BFCL entries, one LoRA arm: one held-out task, the
+    sampler scored what the trainer scores, the stage-2 adapter (B = 0 at its start: π = π_ref)
+    has a gradient exactly when a group varies, and the saved policy merges stages 1 and 2."""
+    summary = json.loads((folder / "summary.json").read_text())
+    arm = summary["rctp+rc-grpo"]
+    assert summary["test_tasks"] == 1 and arm["sampler_logprob_max_dev"] <= 1e-3
+    step = json.loads((folder / "rctp+rc-grpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (step["grad_norm"] > 0) if step["zero_var_frac"] < 1 else step["grad_norm"] == 0
+    assert (folder / "rctp+rc-grpo" / "policy" / "model.safetensors").exists()
+
+
+# The SmolLM2 runs of the laptop presets: the notebooks' REAL cells train them (tiny sizes:
+# harness.TINY), and the runs are checked here instead of training them a second time.
+REAL_RUNS = {
+    "agentflow": ("nb_agentflow_smollm2", check_agentflow_real_run),
+    "rc_grpo": ("nb_rc_grpo_smollm2", check_rc_grpo_real_run),
+}
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, monkeypatch, request):
@@ -119,6 +153,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch, request):
     ]
     assert figure_cells and not blank, blank
     assert len(NOTEBOOKS) == 4
+    if path.stem in REAL_RUNS:
+        folder, check = REAL_RUNS[path.stem]
+        check(workdir / "runs" / folder)
 
 
 EXERCISE_FLAGS = re.compile(r"`(--[\w-]+(?: [^`]+)?)`")  # e.g. `--careless 0`, `--valleys 1,0.6`
