@@ -114,8 +114,22 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
-def pytest_collection_modifyitems(items):
-    """The tests that train or start processes first (slow, real, long), the quick ones after:
-    two workers then end together instead of one finishing a long test alone."""
-    heavy = {"slow", "real", "long"}
-    items.sort(key=lambda item: not heavy & {mark.name for mark in item.iter_markers()})
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(config, items):
+    """Each xdist worker's share of the tests starts with its part of those that train or start
+    processes (slow, real, long) and ends with quick ones. `--dist worksteal` hands worker k the
+    k-th contiguous block of this list and an idle worker steals from the end of another's, so the
+    workers end together on quick tests instead of one finishing a long test alone."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    heavy, quick = [], []
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        (heavy if marks & {"slow", "real", "long"} else quick).append(item)
+    ordered = []
+    for k in range(workers):
+        size = (len(items) - len(ordered)) // (workers - k)  # worksteal's first block for worker k
+        share = heavy[k::workers]
+        fill = max(0, size - len(share))
+        ordered += share + quick[:fill]
+        quick = quick[fill:]
+    items[:] = ordered + quick
