@@ -16,6 +16,7 @@ for more than a few seconds or starts other processes (pytest --durations=20 sho
 """
 
 import fcntl
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -117,18 +118,20 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(config, items):
     """Each xdist worker's share of the tests starts with its part of those that train or start
-    processes (slow, real, long) and ends with quick ones. `--dist worksteal` hands worker k the
-    k-th contiguous block of this list and an idle worker steals from the end of another's, so the
-    workers end together on quick tests instead of one finishing a long test alone."""
+    processes (slow, real, long), a file's together (a module fixture is built once), and ends
+    with quick ones. `--dist worksteal` hands worker k the k-th contiguous block of this list and an
+    idle worker steals from the end of another's, so the workers end together on quick tests
+    instead of one finishing a long test alone."""
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    heavy, quick = [], []
-    for item in items:
-        marks = {mark.name for mark in item.iter_markers()}
-        (heavy if marks & {"slow", "real", "long"} else quick).append(item)
+    shares, quick = [[] for _ in range(workers)], []
+    for _, tests in itertools.groupby(items, key=lambda item: item.path):
+        tests = list(tests)
+        heavy = [t for t in tests if {"slow", "real", "long"} & {m.name for m in t.iter_markers()}]
+        min(shares, key=len).extend(heavy)  # the file's heavy tests to the least loaded share
+        quick += [t for t in tests if t not in heavy]
     ordered = []
-    for k in range(workers):
+    for k, share in enumerate(shares):
         size = (len(items) - len(ordered)) // (workers - k)  # worksteal's first block for worker k
-        share = heavy[k::workers]
         fill = max(0, size - len(share))
         ordered += share + quick[:fill]
         quick = quick[fill:]
