@@ -29,6 +29,7 @@ READER = {
     "agentflow": ({}, dict(ablation=False)),
     "rc_grpo": ({}, dict(steps=2)),
 }
+# the tests' sizes (tests/test_notebooks.py checks the agentflow and rc_grpo REAL runs at these)
 TINY = {
     "flowrl": (
         dict(steps=4, eval_every=2),

@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/ddp_driver.py flowrl OUT_FILE_PREFIX --steps 2 ...
 
-Used by tests/test_distributed.py: the optimiser is the one object every script hands all its
-trainable tensors to, so a recording AdamW captures them without touching the scripts.
+Used by tests/test_distributed.py and tests/test_fsdp.py: the optimiser is the one object every
+script hands all its trainable tensors to, so a recording AdamW captures them without touching the
+scripts.
 """
 
 import importlib

@@ -63,10 +63,10 @@ def test_sharded_toy_trains_what_one_process_trains(tmp_path):
 
 def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path):
     """SmolLM2 on the full preset's path (chat template, EOS, checkpointing), one step. Rank 0's
-    two rows share a 59-token prefix tree of 65 tokens, rank 1's one of 68, so a 66-token budget
-    packs rank 0's rows in 1 micro-batch and rank 1's in 2 (counted): rank 0 runs an empty one, or
-    rank 1's second all-gather would wait forever (the subprocess timeout fails the test
-    instead)."""
+    two 59-token rows make a 65-token prefix tree, rank 1's two 62-token rows a 68-token one, so a
+    66-token budget packs rank 0's rows in 1 micro-batch and rank 1's in 2 (counted): rank 0 runs
+    an empty one, or rank 1's second all-gather would wait forever (the subprocess timeout fails
+    the test instead)."""
     flags = [
         "flowrl",
         "--preset",
@@ -105,7 +105,8 @@ def test_sharded_smollm2_with_uneven_micro_batches_finishes_and_matches(tmp_path
     _, initial = models.load_causal_lm("smollm2", torch.device("cpu"))
     assert_same_training(tmp_path, flags, initial, {"COUNT_CALLS": "common.pack_micro_batch"})
     packed = [int((tmp_path / f"two.rank{rank}.calls").read_text()) for rank in range(2)]
-    assert packed == [1, 2]  # the micro-batches with rows: rank 0's, rank 1's
+    # the micro-batches with rows: as many on both ranks, and the test no longer tests its point
+    assert packed[0] != packed[1], f"{packed}: pick a budget between the ranks' tree sizes"
 
 
 def save_tiny_math_model(folder):

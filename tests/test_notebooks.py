@@ -114,7 +114,11 @@ REAL_RUNS = {
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",  # a notebook whose REAL cell trains SmolLM2 is `real` too
+    [pytest.param(p, marks=[pytest.mark.real] * ("smollm2" in p.read_text())) for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
 def test_notebook_executes(path, tmp_path, monkeypatch, request):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")
     # NOTE: one OpenMP thread in the kernel: with two on two busy cores, a tiny model's step was
