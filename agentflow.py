@@ -518,8 +518,9 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     every planner turn a single-turn sample → token-level clipped loss + β·KL. With N processes each
     rank rolls out its block of queries with its own noise and the gradients are averaged once per
     optimiser step. `args.credit` says which turns are trained; `keep` (JSON-able) is saved with
-    every checkpoint. Returns the Run; its records end with the held-out evaluation of the trained
-    planner (eval_*, on the last step)."""
+    every checkpoint. Returns the Run, whose records end with the held-out evaluation of the
+    trained planner (eval_*, on the last step), and this rank's rollouts of the last evaluation it
+    ran (none in a run resumed after its last step)."""
     tokenizer, planner = system.tokenizer, system.planner
     device = planner.device
     reference = None if args.lora_rank else copy.deepcopy(planner).eval().requires_grad_(False)
@@ -559,6 +560,7 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
     start, extra = run.resume()
     num_queries = len(system.train)
     phases = tracking.Phases()  # each phase's seconds, logged (the benchmarks read them)
+    evaluated = []
     for step in range(start, args.steps + 1):
         # ALGO LOGIC
         # 1. G rollouts of the whole system per query (this rank's queries), of different lengths:
@@ -636,10 +638,10 @@ def train_arm(args, system, out_dir, accelerator, keep=None):
         record = metrics.record(all_rewards, args.group_size, grad_norm, phases)
         record |= {"turn_samples": len(trained_turns), "mean_turns": sum(turns) / len(turns)}
         if system.test and (step % args.eval_every == 0 or step == args.steps):
-            evaluation, _ = evaluate(system, system.test, args, accelerator)
+            evaluation, evaluated = evaluate(system, system.test, args, accelerator)
             record |= {f"eval_{k}": v for k, v in evaluation.items()}
         run.log(step, record, keep)
-    return run
+    return run, evaluated
 
 
 def train(args):
@@ -666,7 +668,7 @@ def train(args):
     else:
         before, before_rollouts = evaluate(system, test, args, accelerator) if test else ({}, [])
         before_text = agent_tools.format_rollout(before_rollouts[0]) if before_rollouts else ""
-    run = train_arm(
+    run, evaluated = train_arm(
         args, system, out_dir, accelerator, keep={"before": before, "before_text": before_text}
     )
     after = tracking.latest(run.records, "eval_")  # the last step evaluated the trained planner
@@ -692,8 +694,8 @@ def train(args):
             "before": before["accuracy"],
             "after": after["accuracy"],
         }
-        if accelerator.is_main_process:  # the first query's greedy rollout, run alone
-            (after_rollout,) = evaluate(system, test[:1], args)[1]
+        if accelerator.is_main_process:  # the first query's greedy rollout (rank 0 evaluates it)
+            after_rollout = (evaluated or evaluate(system, test[:1], args)[1])[0]
             shown = "\n".join(
                 [
                     "before training:",
@@ -713,7 +715,7 @@ def train(args):
         system.planner.load_state_dict(initial_state)
         common.seed_everything(args.seed)
         ablation_args = dataclasses.replace(args, credit=other, quiet=True)
-        ablation = train_arm(ablation_args, system, out_dir / other, accelerator)
+        ablation, _ = train_arm(ablation_args, system, out_dir / other, accelerator)
         ablated = tracking.latest(ablation.records, "eval_")
         ablation.finish({f"{k}_after": v for k, v in ablated.items()})
         summary[f"accuracy_{other.replace('-', '_')}_credit"] = ablated["accuracy"]

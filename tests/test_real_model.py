@@ -71,7 +71,7 @@ def flowrl_flags(group_size):
         "--group-size",
         str(group_size),
         "--max-new-tokens",
-        "16",
+        "8",
         "--micro-batch-tokens",
         "160",
         "--gen-batch",
