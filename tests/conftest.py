@@ -8,8 +8,8 @@ Where a new test goes (docs/testing.md maps every file):
 - more than one process → test_distributed.py (DDP) or test_fsdp.py (--fsdp);
 - precision, token budgets, mini-/micro-batches or the row sampler → test_precision_and_budgets.py;
 - the Python tool's isolation → test_python_tool.py; line length, imports → test_style.py;
-- SmolLM2 → test_real_model.py (marker `real`; a notebook's REAL run → test_notebooks.py); an "it
-  learns" claim → its script's file, `slow`.
+- SmolLM2 → test_real_model.py (marker `real`; a notebook's REAL run → test_notebooks.py);
+  an "it learns" claim → its script's file, `slow`.
 
 `make test-fast` leaves out the markers `slow`, `real` and `long`: mark `long` any test that trains
 for more than a few seconds or starts other processes (pytest --durations=20 shows them).
