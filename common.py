@@ -510,29 +510,27 @@ def pack_tree(prompt_ids, completions, pad_id, device, rows=()):
     tokens, depths, ends, number = tree.packed()
     num_rows, width = len(completions), max(1, max(len(c) for c in completions))
     prompt_width = max(len(p) for p in prompt_ids)
-    completion_ids = torch.full((num_rows, width), pad_id)
-    mask = torch.zeros(num_rows, width)
-    scored_by = torch.zeros(num_rows, width, dtype=torch.long)
-    prompt_nodes = torch.zeros(num_rows, prompt_width, dtype=torch.long)
-    prompt_mask = torch.zeros(num_rows, prompt_width, dtype=torch.long)
+    completion_ids = np.full((num_rows, width), pad_id, dtype=np.int64)
+    scored_by = np.zeros((num_rows, width), dtype=np.int64)
+    prompt_nodes = np.zeros((num_rows, prompt_width), dtype=np.int64)
     for row, (path, prompt, completion) in enumerate(zip(paths, prompt_ids, completions)):
-        nodes = torch.tensor([number[n] for n in path])
+        nodes = [number[n] for n in path]
         plen, clen = len(prompt), len(completion)
-        completion_ids[row, :clen] = torch.as_tensor(completion, dtype=torch.long)
-        mask[row, :clen] = 1
+        completion_ids[row, :clen] = completion
         scored_by[row, :clen] = nodes[plen - 1 : plen + clen - 1]  # each token's predecessor
         prompt_nodes[row, :plen] = nodes[:plen]
-        prompt_mask[row, :plen] = 1
+    mask = torch.arange(width) < torch.tensor([len(c) for c in completions])[:, None]
+    prompt_mask = torch.arange(prompt_width) < torch.tensor([len(p) for p in prompt_ids])[:, None]
     return MicroBatch(
         list(rows),
         torch.tensor([tokens], device=device),
         torch.tensor([depths], device=device),
         torch.tensor(ends, device=device),
-        scored_by.to(device),
-        prompt_nodes.to(device),
-        prompt_mask.to(device),
-        completion_ids.to(device),
-        mask.to(device),
+        torch.from_numpy(scored_by).to(device),
+        torch.from_numpy(prompt_nodes).to(device),
+        prompt_mask.long().to(device),
+        torch.from_numpy(completion_ids).to(device),
+        mask.float().to(device),
     )
 
 
@@ -593,10 +591,11 @@ def scored_micro_batches(prompts, completions, *, sampler_logps, scoring, rows=N
         packed += [[]] * (scoring.equal_count(len(packed)) - len(packed))
     out = []
     for rows in packed:
-        mb = empty_micro_batch(tokenizer.pad_token_id or 0, device)
+        texts, ids = [prompts[r] for r in rows], [completions[r] for r in rows]
         if rows:
-            texts, ids = [prompts[r] for r in rows], [completions[r] for r in rows]
             mb = pack_micro_batch(tokenizer, texts, ids, device, rows)
+        else:
+            mb = empty_micro_batch(tokenizer.pad_token_id or 0, device)
         if sampler_logps is not None:
             mb.sampler_logp = place_logprobs(mb.mask, [sampler_logps[r] for r in rows])
         if model is not None:
