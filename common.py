@@ -393,11 +393,12 @@ class PrefixTree:
         """Insert `sequence`; returns its nodes (one per token) in insertion numbering."""
         node, path = 0, []
         for token in sequence:
-            if token not in self.children[node]:
-                self.children[node][token] = len(self.tokens)
+            children = self.children[node]
+            if token not in children:
+                children[token] = len(self.tokens)
                 self.children.append({})
                 self.tokens.append(token)
-            node = self.children[node][token]
+            node = children[token]
             path.append(node)
         return path
 
@@ -413,7 +414,8 @@ class PrefixTree:
     def packed(self):
         """(tokens, depths, ends, new number of each insertion-numbered node) in depth-first
         order, the root left out."""
-        order, ends, stack = [], {}, [(0, False)]
+        size = len(self.tokens)
+        order, ends, depth, stack = [], [0] * size, [-1] * size, [(0, False)]
         while stack:
             node, done = stack.pop()
             if done:
@@ -421,12 +423,12 @@ class PrefixTree:
                 continue
             order.append(node)
             stack.append((node, True))
-            stack += [(child, False) for child in reversed(self.children[node].values())]
-        number = {node: k - 1 for k, node in enumerate(order)}
-        depth = {0: -1}
-        for node in order:
-            for child in self.children[node].values():
+            for child in reversed(self.children[node].values()):
                 depth[child] = depth[node] + 1
+                stack.append((child, False))
+        number = [0] * size
+        for k, node in enumerate(order):
+            number[node] = k - 1
         kept = order[1:]
         tokens = [self.tokens[n] for n in kept]
         return tokens, [depth[n] for n in kept], [ends[n] - 1 for n in kept], number
