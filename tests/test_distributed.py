@@ -140,9 +140,9 @@ def test_groups_must_split_evenly_over_processes():
 
 def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path):
     """AgentFlow's rollouts differ in length per rank, so with a small token budget the ranks run
-    different numbers of micro-batches, and with mini-batches of 6 turn rows (3 a rank) different
-    numbers of mini-batches: the count agreed by one all-reduce and one all-reduce per optimiser
-    step keep them in step."""
+    different numbers of micro-batches (counted: the loss's calls), and with mini-batches of 6 turn
+    rows (3 a rank) different numbers of rows per mini-batch: the mini-batch count agreed by one
+    all-reduce and one all-reduce per optimiser step keep them in step."""
     flags = [
         "agentflow",
         "--steps",
@@ -152,7 +152,7 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
         "--group-size",
         "4",
         "--micro-batch-tokens",
-        "100",
+        "25",
         "--minibatch-rows",
         "6",
         "--warm-start-steps",
@@ -163,8 +163,10 @@ def test_ranks_with_different_numbers_of_micro_batches_finish_and_agree(tmp_path
         "--save-every",
         "0",
     ]
-    rank0, rank1 = train_and_load(tmp_path, "uneven", 2, flags)
+    rank0, rank1 = train_and_load(tmp_path, "uneven", 2, flags, {"COUNT_CALLS": "flow_grpo_loss"})
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks drifted apart"
+    losses = [int((tmp_path / f"uneven.rank{rank}.calls").read_text()) for rank in range(2)]
+    assert losses[0] != losses[1], f"{losses}: pick a budget between the ranks' tree sizes"
 
 
 def test_an_evaluation_with_fewer_queries_than_ranks_finishes(tmp_path):
