@@ -193,7 +193,9 @@ def bench(name):
         out = str(Path(folder) / "run")
         argv = ["--preset", preset, *flags, "--quiet", "--overwrite", "--out-dir", out]
         args = cli.parse_args(module.Args, module.PRESETS, argv)
+        command = " ".join([f"{script}.py", "--preset", preset, *flags])
         if getattr(args, "eval_data", ""):  # a held-out file (agentflow): a quarter of it
+            command += f" --eval-data <the first quarter of {Path(args.eval_data).name}>"
             args.eval_data = quarter_of(args.eval_data, folder)
         precision = common.resolved_precision(torch.device("cpu"), args.mixed_precision)
         peak_before = matmul_peak(precision)
@@ -205,7 +207,7 @@ def bench(name):
     peak = max(peak_before, matmul_peak(precision))
     return {
         "preset": f"{script} {preset}",
-        "command": " ".join([f"{script}.py", "--preset", preset, *flags]),
+        "command": command,
         "precision": precision,
         "threads": torch.get_num_threads(),
         "wall_s": round(wall, 1),
