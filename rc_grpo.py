@@ -370,11 +370,12 @@ def supervised_finetune(
 
 def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
     """Rollouts under `token` (greedy by default) → (accuracy taken as the mean of R =
-    R_state·R_action; accuracy by the official checker's semantics, bfcl_check). With an
-    `accelerator`, sharded: each rank rolls out every N-th entry and the scores are gathered;
-    sampled (temperature > 0), each entry draws from its own seed."""
+    R_state·R_action; accuracy by the official checker's semantics, bfcl_check; this rank's
+    rollouts). With an `accelerator`, sharded: each rank rolls out every N-th entry (rank 0 the
+    first) and the scores are gathered; sampled (temperature > 0), each entry draws from its own
+    seed."""
     if not entries:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), []
     rank, ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = entries[rank::ranks]  # empty on a rank past the last entry
     seeds = None
@@ -386,7 +387,7 @@ def evaluate(world, entries, token, args, temperature=0.0, accelerator=None):
     my_scores = [(r["reward"], bfcl.bfcl_check(r["entry"], r["calls_per_turn"])) for r in rollouts]
     scores = gather_object(my_scores) if ranks > 1 else my_scores
     rewards, checked = zip(*scores)
-    return sum(rewards) / len(scores), sum(checked) / len(scores)
+    return sum(rewards) / len(scores), sum(checked) / len(scores), rollouts
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -570,8 +571,9 @@ def stage_one(world, base_data, arms, args, path):
         return {k: v.detach().clone() for k, v in world.model.named_parameters() if v.requires_grad}
 
     base = trained_weights()
-    summary = {"base_accuracy": evaluate(world, world.test, None, args)[0]}
-    shown = ["base model:\n" + bfcl.format_calls(world, world.test[0], None)]
+    accuracy, _, rollouts = evaluate(world, world.test, None, args)
+    summary = {"base_accuracy": accuracy}
+    shown = ["base model:\n" + bfcl.format_rollout(rollouts[0])]  # the first test entry's
     tensors, needed = {}, {a.split("+")[0] for a in arms}
     if "sft" in needed:  # the baseline: expert trajectories only, no token
         expert = stage1_units(
@@ -675,7 +677,7 @@ def train(args):
         )
         token = HIGH if use_tokens else None
         # every rank evaluates its share
-        result["accuracy"], result["bfcl_accuracy"] = evaluate(
+        result["accuracy"], result["bfcl_accuracy"], rollouts = evaluate(
             world, world.test, token, args, accelerator=accelerator
         )
         if rare_test:  # the toy: the folders imitation learns poorly, and sampled accuracy
@@ -689,9 +691,8 @@ def train(args):
         if use_tokens:
             low = evaluate(world, world.test, LOW, args, accelerator=accelerator)
             result["accuracy_under_low_token"] = low[0]
-        shown.append(
-            f"after {arm}:\n" + bfcl.format_calls(world, world.test[0], reward_goal(token))
-        )
+        if accelerator.is_main_process:  # rank 0 rolled out the first test entry
+            shown.append(f"after {arm}:\n" + bfcl.format_rollout(rollouts[0]))
         summary[arm] = run.finish(
             result,
             [

@@ -679,11 +679,11 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
     return runs
 
 
-def format_calls(world, entry, goal):
-    """What the policy calls on one entry, turn by turn (greedy, under the reward `goal` text),
-    beside the expected calls: the before/after view of rollouts.txt."""
-    (run,) = run_rollouts(world, [entry], [goal], 0.0)
-    lines = [f"{entry['id']} ({goal or 'no reward goal'}): reward {run['reward']:.0f}"]
+def format_rollout(run):
+    """What the policy called in one rollout of `run_rollouts`, turn by turn (under its reward goal
+    text), beside the expected calls: the before/after view of rollouts.txt."""
+    entry = run["entry"]
+    lines = [f"{entry['id']} ({run['goal'] or 'no reward goal'}): reward {run['reward']:.0f}"]
     for turn, (calls, expected) in enumerate(zip(run["calls_per_turn"], entry["ground_truth"])):
         asked = entry["question"][turn][0]["content"] if entry["question"][turn] else ""
         lines.append(f"  turn {turn}: user {asked[:100]!r}")
