@@ -6,8 +6,8 @@ and precision.
 Per preset it prints wall and CPU seconds; the tokens the forwards computed (every input
 position, padding and repeats included) against the tokens the algorithm needs (per forward call,
 the distinct prefixes of its rows' real tokens: a prompt shared by G rows counts once); the
-matmul FLOPs done (every `nn.Linear`, forward and backward, counted from its shapes; attention's
-few percent left out) per wall second; and `torch.mm`'s rate at SmolLM2-135M's shapes with the
+matmul FLOPs done (every `nn.Linear` and attention's two products, forward and backward, counted
+from their shapes) per wall second; and `torch.mm`'s rate at SmolLM2-135M's shapes with the
 same threads and precision, the faster of a measurement before the run and one after. The claim
 is the ratios, not an absolute time.
 
@@ -68,12 +68,13 @@ def prefix_tokens(rows):
 
 class Count:
     """Tokens computed and needed per kind of call (`calls`: name → [computed, needed]; "other":
-    forwards outside them, e.g. a toy's own pretraining), and matmul FLOPs, gathered by hooks."""
+    forwards outside them, e.g. a toy's own pretraining), and matmul FLOPs (`flops`, attention's
+    share of them in `attention_flops`), gathered by hooks."""
 
     def __init__(self):
         self.calls = collections.defaultdict(lambda: [0, 0])
         self.inside = ["other"]
-        self.flops = 0.0
+        self.flops = self.attention_flops = 0.0
 
     @property
     def computed(self):
@@ -94,6 +95,17 @@ class Count:
         self.flops += per_pass * (
             1 + backward * (inputs[0].requires_grad + module.weight.requires_grad)
         )
+
+    def attention(self, query, key, is_causal):
+        """QKᵀ and the weights times V: 2·2·head_dim FLOPs per (query, key) pair scored, for
+        every query head; all Tq·Tk pairs under a mask (its masked pairs too, as a Linear's
+        padding rows), the lower triangle when causal. Backward: twice that."""
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        pairs = q_len * (q_len + 1) // 2 if is_causal else q_len * k_len
+        per_pass = 4.0 * query.shape[-1] * pairs * query[..., 0, 0].numel()
+        backward = torch.is_grad_enabled() and query.requires_grad
+        self.attention_flops += per_pass * (1 + 2 * backward)
+        self.flops += per_pass * (1 + 2 * backward)
 
     def wrap(self, name, function, rows_of):
         """`function` counted as `name`: the tokens its forwards compute, and the distinct
@@ -141,23 +153,31 @@ WRAPPED = {
 
 @contextlib.contextmanager
 def counted(count):
-    """`count` hooked onto every nn.Linear, every embedding lookup and common's forward and
+    """`count` hooked onto every nn.Linear, every embedding lookup, every attention
+    (`scaled_dot_product_attention`, which transformers' models call) and common's forward and
     sampling calls for the duration."""
     hook = torch.nn.modules.module.register_module_forward_hook(count.linear)
     embedding_forward = torch.nn.Embedding.forward
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     originals = {name: getattr(common, name) for name in WRAPPED}
 
     def embedding(module, input_ids):
         count.calls[count.inside[-1]][0] += input_ids.numel()
         return embedding_forward(module, input_ids)
 
+    def attention(query, key, value, *args, is_causal=False, **kwargs):
+        count.attention(query, key, is_causal)
+        return sdpa(query, key, value, *args, is_causal=is_causal, **kwargs)
+
     torch.nn.Embedding.forward = embedding
+    torch.nn.functional.scaled_dot_product_attention = attention
     for name, rows_of in WRAPPED.items():
         setattr(common, name, count.wrap(name, originals[name], rows_of))
     try:
         yield count
     finally:
         torch.nn.Embedding.forward = embedding_forward
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         for name, original in originals.items():
             setattr(common, name, original)
         hook.remove()
@@ -218,6 +238,7 @@ def bench(name):
         "gflops_per_s": round(count.flops / wall / 1e9, 1),
         "matmul_peak_gflops_per_s": round(peak, 1),
         "of_peak": round(count.flops / wall / 1e9 / peak, 3),
+        "attention_share_of_flops": round(count.attention_flops / max(1.0, count.flops), 3),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "calls": {name: {"computed": c, "needed": n} for name, (c, n) in count.calls.items()},
     }

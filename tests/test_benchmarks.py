@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from utils import models
 
@@ -153,6 +154,20 @@ def test_laptop_bench_counts_each_shared_prefix_once_as_needed(tmp_path):
     from utils import cli
 
     assert laptop.prefix_tokens([[1, 2, 3], [1, 2, 4], [5], [1, 2]]) == 5
+    # attention, 2 rows × 3 heads × head_dim 4: 4·4 FLOPs a pair, 6 causal pairs of 3 queries,
+    # 3 × 5 pairs under a mask (3 queries on 5 keys), three times that with a gradient
+    hand = laptop.Count()
+    hand.attention(torch.zeros(2, 3, 3, 4), torch.zeros(2, 3, 3, 4), is_causal=True)
+    assert hand.flops == hand.attention_flops == 16 * 6 * 6
+    query = torch.zeros(2, 3, 3, 4, requires_grad=True)
+    hand.attention(query, torch.zeros(2, 1, 5, 4), is_causal=False)
+    assert hand.flops == 16 * 6 * 6 + 3 * 16 * 15 * 6
+    # and as a transformers model calls it (sdpa; the toys run eager attention, uncounted)
+    model = models.tiny_causal_lm(11, seed=0)  # 2 layers, 4 heads of 16
+    model.set_attn_implementation("sdpa")
+    with laptop.counted(laptop.Count()) as count, torch.no_grad():
+        model(torch.ones(2, 5, dtype=torch.long))
+    assert count.attention_flops == 2 * 2 * 4 * (4 * 16) * 15
     args = cli.parse_args(flowrl.Args, flowrl.PRESETS, ["--steps", "2", "--quiet"])
     args.out_dir = str(tmp_path)
     with laptop.counted(laptop.Count()) as count:
