@@ -243,16 +243,21 @@ def shared_prefix_length(rows):
 
 
 @torch.no_grad()
-def prompt_cache(model, prompts, pad_id, prompt_of):
+def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     """The rows' (ids, attention mask, KV cache) for `generate`, each prompt token computed once:
     the prefix all prompts share (a chat template's system turn, at least SHARED_PREFIX_MIN
     tokens) once for them all, then each distinct prompt's rest but its last token, without
     padding (one forward per rest length), copied to the rows that sample from it (`prompt_of`:
-    (B,) indices). A row is laid out as that prefix, left padding, then the rest of its prompt;
-    `generate` runs only each row's last prompt token (the cache is None for one-token prompts,
-    which `generate` runs whole)."""
+    (B,) indices). A prompt whose first n tokens were computed before (`pasts`: per prompt, None
+    or (n, each layer's (keys, values) of at least n positions), a dialogue's previous step)
+    runs only its tokens after them, on their cache. A row is laid out as that prefix, left
+    padding, then the rest of its prompt; `generate` runs only each row's last prompt token (the
+    cache is None for one-token prompts, which `generate` runs whole)."""
+    from transformers import DynamicCache
+
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
     shared = shared if shared >= SHARED_PREFIX_MIN else 0
+    own = {i: past for i, past in enumerate(pasts or []) if past and past[0] > shared}
     rest = [p[shared:] for p in prompts]
     width = max(map(len, rest))
     ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
@@ -264,8 +269,8 @@ def prompt_cache(model, prompts, pad_id, prompt_of):
     if shared:
         prefix = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
     caches = []  # (prompts, their cache: prefix + rest but its last token), one per rest length
-    for length in sorted(set(map(len, rest))):
-        rows = [i for i, r in enumerate(rest) if len(r) == length]
+    for length in sorted({len(r) for i, r in enumerate(rest) if i not in own}):
+        rows = [i for i, r in enumerate(rest) if len(r) == length and i not in own]
         cache = copy.deepcopy(prefix)
         if cache is not None:
             cache.batch_repeat_interleave(len(rows))
@@ -280,6 +285,18 @@ def prompt_cache(model, prompts, pad_id, prompt_of):
                 logits_to_keep=1,
             ).past_key_values
         caches.append((rows, cache))
+    for i, (n, layers) in own.items():  # its first n tokens' keys and values, then the rest
+        n = min(n, len(prompts[i]) - 1)
+        cache = DynamicCache([(k[:, :, :n], v[:, :, :n]) for k, v in layers], config=model.config)
+        if n < len(prompts[i]) - 1:
+            cache = model(
+                input_ids=torch.tensor([prompts[i][n:-1]], device=model.device),
+                position_ids=torch.arange(n, len(prompts[i]) - 1, device=model.device)[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+        caches.append(([i], cache))
     # every prompt's keys and values in its row's layout, masked slots zero
     order = torch.tensor([i for rows, _ in caches for i in rows]).argsort().to(model.device)
     cache = next(c for _, c in caches if c is not None)
@@ -311,6 +328,7 @@ def sample_completions(
     token_budget=0,
     precision="auto",
     row_seeds=None,
+    dialogues=None,
 ):
     """Sample one completion per prompt → [(text, completion ids, the sampler's log-probs)].
 
@@ -319,13 +337,19 @@ def sample_completions(
     log-probs are the ones the sampler drew from (`SampledLogprobs`). A completion keeps its tokens
     up to and including the first EOS; the EOS is scored, so the policy learns to stop. Decoding
     uses only the kept ids (padding never reaches the text). Greedy (T = 0): log-probs are zeros.
+
+    `dialogues`: per prompt, a dict the caller keeps for the prompt's dialogue. Each row leaves
+    there the keys and values it computed (its prompt and completion tokens, as many as one call's
+    `token_budget` holds), and the dialogue's next prompt runs only its tokens after the longest
+    prefix it shares with them (`prompt_cache`).
     """
     from transformers import LogitsProcessorList
 
     model.eval()
     config = generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos)
+    config.return_dict_in_generate = True  # the sequences and the cache (for `dialogues`)
     stop = torch.tensor(config.eos_token_id or [], dtype=torch.long)
-    out = []
+    out, budget = [], token_budget or None  # the tokens the dialogues' keys and values may hold
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
         lo, hi = chunk.start, chunk.stop
@@ -333,12 +357,18 @@ def sample_completions(
         distinct = list(dict.fromkeys(prompts[lo:hi]))
         distinct_ids = tokenizer(distinct, add_special_tokens=False)["input_ids"]
         prompt_of = torch.tensor([distinct.index(p) for p in prompts[lo:hi]], device=model.device)
+        pasts = None
+        if dialogues:  # a distinct prompt's dialogue: its row's (any of them: the same tokens)
+            of_prompt = dict(zip(prompts[lo:hi], dialogues[lo:hi]))
+            pasts = [computed_prefix(of_prompt[p], i) for p, i in zip(distinct, distinct_ids)]
         recorder = SampledLogprobs(
             temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
         )
         with training_autocast(model.device, precision):  # the precision the trainer scores in
-            ids, attn, cache = prompt_cache(model, distinct_ids, tokenizer.pad_token_id, prompt_of)
-            seq = model.generate(  # each rank decodes alone (a sharded model: gathered first)
+            ids, attn, cache = prompt_cache(
+                model, distinct_ids, tokenizer.pad_token_id, prompt_of, pasts
+            )
+            generated = model.generate(  # each rank decodes alone (a sharded model: gathered first)
                 input_ids=ids,
                 attention_mask=attn,
                 past_key_values=cache,
@@ -346,6 +376,7 @@ def sample_completions(
                 logits_processor=LogitsProcessorList([recorder]),
                 synced_gpus=False,
             )
+        seq = generated.sequences
         recorder.collect(seq)
         completion = seq[:, ids.shape[1] :].cpu()
         logp = (
@@ -355,12 +386,58 @@ def sample_completions(
         )
         is_stop = torch.isin(completion, stop)
         keep = ~((is_stop.cumsum(-1) - is_stop.long()) > 0)  # up to and including the first EOS
+        if dialogues:
+            prompt_ids = [distinct_ids[i] for i in prompt_of.tolist()]
+            budget = keep_computed(
+                generated.past_key_values,
+                attn,
+                prompt_ids,
+                completion,
+                keep,
+                dialogues[lo:hi],
+                budget,
+            )
         for ids, row_logp, row_keep in zip(completion, logp, keep):
             ids = ids[row_keep]
             out.append(
                 (tokenizer.decode(ids, skip_special_tokens=True), ids.tolist(), row_logp[row_keep])
             )
     return out
+
+
+def computed_prefix(dialogue, prompt_ids):
+    """(n, keys and values) for the first n tokens of `prompt_ids` that the dialogue's last call
+    computed (the longest prefix the two share), or None."""
+    kept = dialogue.get("ids", [])
+    n = next(
+        (k for k, (a, b) in enumerate(zip(kept, prompt_ids)) if a != b),
+        min(len(kept), len(prompt_ids)),
+    )
+    return (n, dialogue["layers"]) if n else None
+
+
+def keep_computed(cache, attn, prompt_ids, completion, keep, dialogues, budget):
+    """Each row's keys and values out of `generate`'s cache (laid out as `prompt_cache` set the
+    prompt: prefix, padding, rest; then one position per token fed back), without padding, into
+    its dialogue's dict with the tokens they belong to: the prompt and the kept completion tokens
+    but the last one generated (never fed back). Rows past `budget` tokens (None: no bound) keep
+    nothing. → the budget left."""
+    width, fed = attn.shape[1], completion.shape[1] - 1
+    for row, dialogue in enumerate(dialogues):
+        dialogue.clear()
+        kept = min(int(keep[row].sum()), fed)
+        if budget is not None and len(prompt_ids[row]) + kept > budget:
+            continue
+        positions = torch.cat(
+            [attn[row].nonzero()[:, 0], torch.arange(width, width + kept, device=attn.device)]
+        )
+        dialogue["ids"] = prompt_ids[row] + completion[row, :kept].tolist()
+        dialogue["layers"] = [
+            (layer.keys[row : row + 1, :, positions], layer.values[row : row + 1, :, positions])
+            for layer in cache.layers
+        ]
+        budget = budget if budget is None else budget - len(positions)
+    return budget
 
 
 def pack_completions(tokenizer, prompts, completions, device):

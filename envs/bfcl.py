@@ -612,8 +612,9 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
     with (or on which rank).
 
     All rollouts advance together (one batched `generate` per step, `limits.gen_batch` rows at a
-    time). Returns, per rollout, its steps (prompt, completion ids, sampling log-probs),
-    `calls_per_turn`, and R = trajectory_reward.
+    time); a dialogue's next step computes only its tokens after what its last step computed (the
+    keys and values kept in its "computed" dict while it lasts). Returns, per rollout, its steps
+    (prompt, completion ids, sampling log-probs), `calls_per_turn`, and R = trajectory_reward.
     """
     runs, limits = [], world.limits
     for k, (entry, goal) in enumerate(zip(entries, goals)):
@@ -630,9 +631,13 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
                 "done": False,
                 "calls_per_turn": [[] for _ in entry["question"]],
                 "messages": system_messages(world, entry) + user_messages(world, entry, 0, goal),
+                "computed": {},
             }
         )
     while active := [r for r in runs if not r["done"]]:
+        for run in runs:  # an ended dialogue's keys and values are freed
+            if run["done"]:
+                run["computed"].clear()
         prompts = [render(world, r["messages"]) for r in active]
         # a dialogue past --max-prompt-tokens is abandoned, as past the step cap: the prefill of a
         # longer one may not fit, and its calls so far are what gets scored
@@ -657,6 +662,7 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
             token_budget=limits.gen_tokens,
             precision=limits.mixed_precision,
             row_seeds=row_seeds,
+            dialogues=[r["computed"] for r in active],
         )
         for run, prompt, (text, ids, logp) in zip(active, prompts, outputs):
             run["steps"].append({"prompt": prompt, "ids": ids, "sampler_logp": logp})
@@ -675,6 +681,7 @@ def run_rollouts(world, entries, goals, temperature, seeds=None):
             else:
                 run["done"] = True
     for run in runs:
+        del run["computed"]
         run["reward"] = trajectory_reward(run["entry"], run["calls_per_turn"])
     return runs
 

@@ -453,3 +453,61 @@ def test_generate_prefills_each_distinct_prompt_once_and_samples_as_before(syste
         recorder.collect(seq)
         assert ids == seq[0, alone["input_ids"].shape[1] :].tolist()
         torch.testing.assert_close(logp, torch.stack(recorder.picked, 1)[0], atol=1e-5, rtol=0)
+
+
+def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_before(monkeypatch):
+    """sample_completions with `dialogues`: a dialogue's next prompt (its last prompt, two of the
+    tokens it sampled, then new text) runs only the tokens after those, on the keys and values
+    its last call kept, beside a prompt new to the call (the shared system prefix once); greedy
+    and with rows seeded one by one it draws the tokens it draws without `dialogues`, with the
+    same log-probs (within rounding)."""
+    tok = models.make_tokenizer(list("abcdefgh"))
+    model = models.tiny_causal_lm(len(tok), seed=1).eval()
+    system = "h g h g h g h g "
+    first = [system + "a b c", system + "d", system + "d"]
+    dialogues = [{}, {}, {}]
+    drawn = common.sample_completions(
+        model, tok, first, 5, temperature=0.0, stop_at_eos=False, dialogues=dialogues
+    )
+    encode = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
+    # each dialogue goes on with two of its tokens and new text; a new dialogue joins
+    steps = [encode([p])[0] + ids[:2] for p, (_, ids, _) in zip(first, drawn)]
+    nxt = [tok.decode(ids) + " e f" for ids in steps] + [system + "g"]
+    assert [ids[: len(s)] for ids, s in zip(encode(nxt), steps)] == steps  # the text is the tokens
+    computed, prompt_cache = [], common.prompt_cache
+
+    def counted(model, prompts, *args):
+        hook = model.get_input_embeddings().register_forward_hook(
+            lambda module, inputs, out: computed.append(inputs[0].numel())
+        )
+        try:
+            return prompt_cache(model, prompts, *args)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(common, "prompt_cache", counted)
+    dialogues.append({})
+    for seeds in [None, [5, 6, 7, 8]]:
+        temperature = 1.0 if seeds else 0.0
+        kept = [dict(d) for d in dialogues]
+        computed.clear()
+        reused = common.sample_completions(
+            model,
+            tok,
+            nxt,
+            5,
+            temperature=temperature,
+            stop_at_eos=False,
+            row_seeds=seeds,
+            dialogues=kept,
+        )
+        # dialogues 0 and 1 = 2 (one prompt): " e f" but its last token (the two sampled
+        # tokens were computed in the last call); the new prompt: the shared prefix, then its
+        # one token but the last (none)
+        assert computed == [len(encode([system])[0]), 1, 1]
+        plain = common.sample_completions(
+            model, tok, nxt, 5, temperature=temperature, stop_at_eos=False, row_seeds=seeds
+        )
+        for (_, ids, logp), (_, plain_ids, plain_logp) in zip(reused, plain):
+            assert ids == plain_ids
+            torch.testing.assert_close(logp, plain_logp, atol=1e-5, rtol=0)
