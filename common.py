@@ -250,7 +250,8 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     padding (one forward per rest length), copied to the rows that sample from it (`prompt_of`:
     (B,) indices). A prompt whose first n tokens were computed before (`pasts`: per prompt, None
     or (n, each layer's (keys, values) of at least n positions), a dialogue's previous step)
-    runs only its tokens after them, on their cache. A row is laid out as that prefix, left
+    runs only its tokens after them, on their cache (kept off the accelerator: moved here for the
+    call). A row is laid out as that prefix, left
     padding, then the rest of its prompt; `generate` runs only each row's last prompt token (the
     cache is None for one-token prompts, which `generate` runs whole)."""
     from transformers import DynamicCache
@@ -258,6 +259,7 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
     shared = shared if shared >= SHARED_PREFIX_MIN else 0
     own = {i: past for i, past in enumerate(pasts or []) if past and past[0] > shared}
+    fresh = [i for i in range(len(prompts)) if i not in own]
     rest = [p[shared:] for p in prompts]
     width = max(map(len, rest))
     ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
@@ -266,11 +268,11 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     if shared + width < 2:
         return ids[prompt_of], attn[prompt_of], None
     prefix = None
-    if shared:
+    if shared and fresh:
         prefix = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1).past_key_values
-    caches = []  # (prompts, their cache: prefix + rest but its last token), one per rest length
-    for length in sorted({len(r) for i, r in enumerate(rest) if i not in own}):
-        rows = [i for i, r in enumerate(rest) if len(r) == length and i not in own]
+    caches = []  # (prompts, their cache: prefix + rest but its last token)
+    for length in sorted({len(rest[i]) for i in fresh}):  # new prompts: one forward per length
+        rows = [i for i in fresh if len(rest[i]) == length]
         cache = copy.deepcopy(prefix)
         if cache is not None:
             cache.batch_repeat_interleave(len(rows))
@@ -287,7 +289,8 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
         caches.append((rows, cache))
     for i, (n, layers) in own.items():  # its first n tokens' keys and values, then the rest
         n = min(n, len(prompts[i]) - 1)
-        cache = DynamicCache([(k[:, :, :n], v[:, :, :n]) for k, v in layers], config=model.config)
+        kept = [(k[:, :, :n].to(model.device), v[:, :, :n].to(model.device)) for k, v in layers]
+        cache = DynamicCache(kept, config=model.config)
         if n < len(prompts[i]) - 1:
             cache = model(
                 input_ids=torch.tensor([prompts[i][n:-1]], device=model.device),
@@ -339,9 +342,11 @@ def sample_completions(
     uses only the kept ids (padding never reaches the text). Greedy (T = 0): log-probs are zeros.
 
     `dialogues`: per prompt, a dict the caller keeps for the prompt's dialogue. Each row leaves
-    there the keys and values it computed (its prompt and completion tokens, as many as one call's
-    `token_budget` holds), and the dialogue's next prompt runs only its tokens after the longest
-    prefix it shares with them (`prompt_cache`).
+    there the keys and values it computed (its prompt and completion tokens), in host memory, and
+    the dialogue's next prompt runs only its tokens after the longest prefix it shares with them
+    (`prompt_cache`). The rows keep at most what one call's cache may hold (`token_budget`, or
+    without one the largest chunk's rows × (longest prompt + `max_new_tokens`)); a row past that
+    keeps nothing.
     """
     from transformers import LogitsProcessorList
 
@@ -349,16 +354,21 @@ def sample_completions(
     config = generation_config(model, tokenizer, max_new_tokens, temperature, stop_at_eos)
     config.return_dict_in_generate = True  # the sequences and the cache (for `dialogues`)
     stop = torch.tensor(config.eos_token_id or [], dtype=torch.long)
-    out, budget = [], token_budget or None  # the tokens the dialogues' keys and values may hold
+    out = []
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    for chunk in generation_chunks(lengths, max_new_tokens, batch_rows, token_budget):
+    chunks = generation_chunks(lengths, max_new_tokens, batch_rows, token_budget)
+    # the tokens the dialogues may keep: what one call's cache may hold
+    budget = token_budget or max(
+        len(c) * (max(lengths[i] for i in c) + max_new_tokens) for c in chunks
+    )
+    for chunk in chunks:
         lo, hi = chunk.start, chunk.stop
         # each distinct prompt (the G copies of a group's) is prefilled once, its cache shared
         distinct = list(dict.fromkeys(prompts[lo:hi]))
         distinct_ids = tokenizer(distinct, add_special_tokens=False)["input_ids"]
         prompt_of = torch.tensor([distinct.index(p) for p in prompts[lo:hi]], device=model.device)
         pasts = None
-        if dialogues:  # a distinct prompt's dialogue: its row's (any of them: the same tokens)
+        if dialogues:  # a distinct prompt's dialogue: any of its rows' (checked against it)
             of_prompt = dict(zip(prompts[lo:hi], dialogues[lo:hi]))
             pasts = [computed_prefix(of_prompt[p], i) for p, i in zip(distinct, distinct_ids)]
         recorder = SampledLogprobs(
@@ -397,6 +407,7 @@ def sample_completions(
                 dialogues[lo:hi],
                 budget,
             )
+        del generated, cache  # freed before the next chunk's are built
         for ids, row_logp, row_keep in zip(completion, logp, keep):
             ids = ids[row_keep]
             out.append(
@@ -420,23 +431,26 @@ def keep_computed(cache, attn, prompt_ids, completion, keep, dialogues, budget):
     """Each row's keys and values out of `generate`'s cache (laid out as `prompt_cache` set the
     prompt: prefix, padding, rest; then one position per token fed back), without padding, into
     its dialogue's dict with the tokens they belong to: the prompt and the kept completion tokens
-    but the last one generated (never fed back). Rows past `budget` tokens (None: no bound) keep
-    nothing. → the budget left."""
+    but the last one generated (never fed back), in host memory. A row past the `budget` tokens
+    left keeps nothing. → the budget left."""
     width, fed = attn.shape[1], completion.shape[1] - 1
     for row, dialogue in enumerate(dialogues):
         dialogue.clear()
         kept = min(int(keep[row].sum()), fed)
-        if budget is not None and len(prompt_ids[row]) + kept > budget:
+        if len(prompt_ids[row]) + kept > budget:
             continue
         positions = torch.cat(
             [attn[row].nonzero()[:, 0], torch.arange(width, width + kept, device=attn.device)]
         )
         dialogue["ids"] = prompt_ids[row] + completion[row, :kept].tolist()
         dialogue["layers"] = [
-            (layer.keys[row : row + 1, :, positions], layer.values[row : row + 1, :, positions])
+            (
+                layer.keys[row : row + 1, :, positions].cpu(),
+                layer.values[row : row + 1, :, positions].cpu(),
+            )
             for layer in cache.layers
         ]
-        budget = budget if budget is None else budget - len(positions)
+        budget -= len(positions)
     return budget
 
 

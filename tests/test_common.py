@@ -474,6 +474,7 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
     steps = [encode([p])[0] + ids[:2] for p, (_, ids, _) in zip(first, drawn)]
     nxt = [tok.decode(ids) + " e f" for ids in steps] + [system + "g"]
     assert [ids[: len(s)] for ids, s in zip(encode(nxt), steps)] == steps  # the text is the tokens
+    assert all(ids[2] != encode(["e"])[0][0] for _, ids, _ in drawn)  # kept: no more than steps
     computed, prompt_cache = [], common.prompt_cache
 
     def counted(model, prompts, *args):
@@ -511,3 +512,9 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
         for (_, ids, logp), (_, plain_ids, plain_logp) in zip(reused, plain):
             assert ids == plain_ids
             torch.testing.assert_close(logp, plain_logp, atol=1e-5, rtol=0)
+    # a call's budget bounds what the dialogues keep: the first row its prompt and the 4 of its 5
+    # tokens fed back (19 of 20), the rows past the budget nothing
+    common.sample_completions(
+        model, tok, nxt, 5, stop_at_eos=False, token_budget=20, dialogues=kept
+    )
+    assert [len(d.get("ids", [])) for d in kept] == [len(encode(nxt[:1])[0]) + 4, 0, 0, 0]
