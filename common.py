@@ -251,9 +251,9 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     (B,) indices). A prompt whose first n tokens were computed before (`pasts`: per prompt, None
     or (n, each layer's (keys, values) of at least n positions), a dialogue's previous step)
     runs only its tokens after them, on their cache (kept off the accelerator: moved here for the
-    call). A row is laid out as that prefix, left
-    padding, then the rest of its prompt; `generate` runs only each row's last prompt token (the
-    cache is None for one-token prompts, which `generate` runs whole)."""
+    call), one forward per such prompt. A row is laid out as that prefix, left padding, then the
+    rest of its prompt; `generate` runs only each row's last prompt token (the cache is None for
+    one-token prompts, which `generate` runs whole)."""
     from transformers import DynamicCache
 
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
@@ -289,8 +289,8 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
         caches.append((rows, cache))
     for i, (n, layers) in own.items():  # its first n tokens' keys and values, then the rest
         n = min(n, len(prompts[i]) - 1)
-        kept = [(k[:, :, :n].to(model.device), v[:, :, :n].to(model.device)) for k, v in layers]
-        cache = DynamicCache(kept, config=model.config)
+        past = [(k[:, :, :n].to(model.device), v[:, :, :n].to(model.device)) for k, v in layers]
+        cache = DynamicCache(past, config=model.config)
         if n < len(prompts[i]) - 1:
             cache = model(
                 input_ids=torch.tensor([prompts[i][n:-1]], device=model.device),
@@ -357,10 +357,9 @@ def sample_completions(
     out = []
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     chunks = generation_chunks(lengths, max_new_tokens, batch_rows, token_budget)
-    # the tokens the dialogues may keep: what one call's cache may hold
-    budget = token_budget or max(
-        len(c) * (max(lengths[i] for i in c) + max_new_tokens) for c in chunks
-    )
+    if dialogues:  # the tokens they may keep: what one call's cache may hold
+        widest = max(len(c) * (max(lengths[i] for i in c) + max_new_tokens) for c in chunks)
+        budget = token_budget or widest
     for chunk in chunks:
         lo, hi = chunk.start, chunk.stop
         # each distinct prompt (the G copies of a group's) is prefilled once, its cache shared
@@ -419,10 +418,10 @@ def sample_completions(
 def computed_prefix(dialogue, prompt_ids):
     """(n, keys and values) for the first n tokens of `prompt_ids` that the dialogue's last call
     computed (the longest prefix the two share), or None."""
-    kept = dialogue.get("ids", [])
+    computed = dialogue.get("ids", [])
     n = next(
-        (k for k, (a, b) in enumerate(zip(kept, prompt_ids)) if a != b),
-        min(len(kept), len(prompt_ids)),
+        (k for k, (a, b) in enumerate(zip(computed, prompt_ids)) if a != b),
+        min(len(computed), len(prompt_ids)),
     )
     return (n, dialogue["layers"]) if n else None
 
@@ -434,21 +433,17 @@ def keep_computed(cache, attn, prompt_ids, completion, keep, dialogues, budget):
     but the last one generated (never fed back), in host memory. A row past the `budget` tokens
     left keeps nothing. → the budget left."""
     width, fed = attn.shape[1], completion.shape[1] - 1
+    layers = [(layer.keys.cpu(), layer.values.cpu()) for layer in cache.layers]  # one copy each
+    attn = attn.cpu()
     for row, dialogue in enumerate(dialogues):
         dialogue.clear()
-        kept = min(int(keep[row].sum()), fed)
-        if len(prompt_ids[row]) + kept > budget:
+        n_fed = min(int(keep[row].sum()), fed)
+        if len(prompt_ids[row]) + n_fed > budget:
             continue
-        positions = torch.cat(
-            [attn[row].nonzero()[:, 0], torch.arange(width, width + kept, device=attn.device)]
-        )
-        dialogue["ids"] = prompt_ids[row] + completion[row, :kept].tolist()
+        positions = torch.cat([attn[row].nonzero()[:, 0], torch.arange(width, width + n_fed)])
+        dialogue["ids"] = prompt_ids[row] + completion[row, :n_fed].tolist()
         dialogue["layers"] = [
-            (
-                layer.keys[row : row + 1, :, positions].cpu(),
-                layer.values[row : row + 1, :, positions].cpu(),
-            )
-            for layer in cache.layers
+            (k[row : row + 1, :, positions], v[row : row + 1, :, positions]) for k, v in layers
         ]
         budget -= len(positions)
     return budget

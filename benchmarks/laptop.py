@@ -165,9 +165,9 @@ def counted(count):
         count.calls[count.inside[-1]][0] += input_ids.numel()
         return embedding_forward(module, input_ids)
 
-    def attention(query, key, value, *args, is_causal=False, **kwargs):
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
         count.attention(query, key, is_causal)
-        return sdpa(query, key, value, *args, is_causal=is_causal, **kwargs)
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
 
     torch.nn.Embedding.forward = embedding
     torch.nn.functional.scaled_dot_product_attention = attention

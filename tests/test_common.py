@@ -502,7 +502,7 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
             row_seeds=seeds,
             dialogues=kept,
         )
-        # dialogues 0 and 1 = 2 (one prompt): " e f" but its last token (the two sampled
+        # dialogue 0, and dialogues 1 and 2 (one prompt): " e f" but its last token (the two sampled
         # tokens were computed in the last call); the new prompt: the shared prefix, then its
         # one token but the last (none)
         assert computed == [len(encode([system])[0]), 1, 1]
