@@ -433,17 +433,20 @@ def keep_computed(cache, attn, prompt_ids, completion, keep, dialogues, budget):
     but the last one generated (never fed back), in host memory. A row past the `budget` tokens
     left keeps nothing. → the budget left."""
     width, fed = attn.shape[1], completion.shape[1] - 1
-    layers = [(layer.keys.cpu(), layer.values.cpu()) for layer in cache.layers]  # one copy each
-    attn = attn.cpu()
     for row, dialogue in enumerate(dialogues):
         dialogue.clear()
         n_fed = min(int(keep[row].sum()), fed)
         if len(prompt_ids[row]) + n_fed > budget:
             continue
-        positions = torch.cat([attn[row].nonzero()[:, 0], torch.arange(width, width + n_fed)])
+        fed_back = torch.arange(width, width + n_fed, device=attn.device)
+        positions = torch.cat([attn[row].nonzero()[:, 0], fed_back])  # only these are copied
         dialogue["ids"] = prompt_ids[row] + completion[row, :n_fed].tolist()
         dialogue["layers"] = [
-            (k[row : row + 1, :, positions], v[row : row + 1, :, positions]) for k, v in layers
+            (
+                layer.keys[row : row + 1, :, positions].cpu(),
+                layer.values[row : row + 1, :, positions].cpu(),
+            )
+            for layer in cache.layers
         ]
         budget -= len(positions)
     return budget
