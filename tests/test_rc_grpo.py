@@ -446,7 +446,8 @@ def test_toy_sft_grpo_groups_collapse_more_than_rctp_rc_grpo(tmp_path):
         rc_grpo.PRESETS,
         [
             *("--quiet", "--seed", "1", "--arms", "sft+grpo,rctp+rc-grpo"),
-            *("--toy-test-tasks", "60", "--out-dir", str(tmp_path)),
+            # the claim is about training's groups: a small held-out set (its accuracy is not asked)
+            *("--toy-test-tasks", "10", "--out-dir", str(tmp_path)),
         ],
     )
     s = rc_grpo.train(args)
