@@ -252,8 +252,9 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     or (n, each layer's (keys, values) of at least n positions), a dialogue's previous step)
     runs only its tokens after them, on their cache (kept off the accelerator: moved here for the
     call), one forward per such prompt. A row is laid out as that prefix, left padding, then the
-    rest of its prompt; `generate` runs only each row's last prompt token (the cache is None for
-    one-token prompts, which `generate` runs whole)."""
+    rest of its prompt; `generate` runs only each row's last prompt token (the cache is None when
+    every prompt is one token, and for a model with a sliding window: `generate` runs them
+    whole)."""
     from transformers import DynamicCache
 
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
@@ -265,7 +266,7 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
     attn = [[1] * shared + [0] * (width - len(r)) + [1] * len(r) for r in rest]
     ids, attn = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
-    if shared + width < 2:
+    if shared + width < 2 or not keeps_every_position(model):
         return ids[prompt_of], attn[prompt_of], None
     prefix = None
     if shared and fresh:
@@ -318,6 +319,15 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     return ids[prompt_of], attn[prompt_of], cache
 
 
+def keeps_every_position(model):
+    """Whether every layer of the model's cache holds every position (no sliding window), as the
+    caches `prompt_cache` lays out and a dialogue keeps need."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
 @torch.no_grad()
 def sample_completions(
     model,
@@ -346,7 +356,7 @@ def sample_completions(
     the dialogue's next prompt runs only its tokens after the longest prefix it shares with them
     (`prompt_cache`). The rows keep at most what one call's cache may hold (`token_budget`, or
     without one the largest chunk's rows × (longest prompt + `max_new_tokens`)); a row past that
-    keeps nothing.
+    keeps nothing; so does every row of a model with a sliding window.
     """
     from transformers import LogitsProcessorList
 
@@ -357,7 +367,8 @@ def sample_completions(
     out = []
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     chunks = generation_chunks(lengths, max_new_tokens, batch_rows, token_budget)
-    if dialogues:  # the tokens they may keep: what one call's cache may hold
+    keeping = bool(dialogues) and keeps_every_position(model)
+    if keeping:  # the tokens they may keep: what one call's cache may hold
         widest = max(len(c) * (max(lengths[i] for i in c) + max_new_tokens) for c in chunks)
         budget = token_budget or widest
     for chunk in chunks:
@@ -367,12 +378,11 @@ def sample_completions(
         distinct_ids = tokenizer(distinct, add_special_tokens=False)["input_ids"]
         prompt_of = torch.tensor([distinct.index(p) for p in prompts[lo:hi]], device=model.device)
         pasts = None
-        if dialogues:  # a distinct prompt's dialogue: any of its rows' (checked against it)
+        if keeping:  # a distinct prompt's dialogue: any of its rows' (checked against it)
             of_prompt = dict(zip(prompts[lo:hi], dialogues[lo:hi]))
             pasts = [computed_prefix(of_prompt[p], i) for p, i in zip(distinct, distinct_ids)]
-        recorder = SampledLogprobs(
-            temperature if temperature > 0 else 1.0, row_seeds and row_seeds[lo:hi]
-        )
+        seeds = row_seeds[lo:hi] if row_seeds and temperature > 0 else None  # greedy draws nothing
+        recorder = SampledLogprobs(temperature if temperature > 0 else 1.0, seeds)
         with training_autocast(model.device, precision):  # the precision the trainer scores in
             ids, attn, cache = prompt_cache(
                 model, distinct_ids, tokenizer.pad_token_id, prompt_of, pasts
@@ -395,7 +405,7 @@ def sample_completions(
         )
         is_stop = torch.isin(completion, stop)
         keep = ~((is_stop.cumsum(-1) - is_stop.long()) > 0)  # up to and including the first EOS
-        if dialogues:
+        if keeping:
             prompt_ids = [distinct_ids[i] for i in prompt_of.tolist()]
             budget = keep_computed(
                 generated.past_key_values,
@@ -430,8 +440,8 @@ def keep_computed(cache, attn, prompt_ids, completion, keep, dialogues, budget):
     """Each row's keys and values out of `generate`'s cache (laid out as `prompt_cache` set the
     prompt: prefix, padding, rest; then one position per token fed back), without padding, into
     its dialogue's dict with the tokens they belong to: the prompt and the kept completion tokens
-    but the last one generated (never fed back), in host memory. A row past the `budget` tokens
-    left keeps nothing. → the budget left."""
+    that were fed back (all the call generated but its last step's), in host memory. A row past
+    the `budget` tokens left keeps nothing. → the budget left."""
     width, fed = attn.shape[1], completion.shape[1] - 1
     for row, dialogue in enumerate(dialogues):
         dialogue.clear()

@@ -72,7 +72,7 @@ Toy (CPU, about 2–4 minutes for the four arms; docs/rc_grpo.md):
                           # held-out accuracy 0.894 vs 0.862 (means over seeds 0-4, one thread)
     python rc_grpo.py --seeds 0-4                  # Table 1's four arms on five seeds, one table
     python rc_grpo.py --seeds 0-4 --sft-epochs 5   # the equal-epochs control
-Laptop (SmolLM2-135M-Instruct, bundled; 19 BFCL entries, both arms; 7-11 min a seed on 2 cores):
+Laptop (SmolLM2-135M-Instruct, bundled; 19 BFCL entries, both arms; 6-9 min a seed on 2 cores):
     python rc_grpo.py --preset smollm2-bfcl --seeds 0-1   # fewer flat groups, accuracy tied
 Full scale (one GPU, BFCL v4):   python rc_grpo.py --preset bfcl
 N GPUs (data-parallel, docs/full_scale.md):

@@ -518,3 +518,42 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
         model, tok, nxt, 5, stop_at_eos=False, token_budget=20, dialogues=kept
     )
     assert [len(d.get("ids", [])) for d in kept] == [len(encode(nxt[:1])[0]) + 4, 0, 0, 0]
+
+
+def test_a_model_with_a_sliding_window_runs_its_prompts_whole_and_keeps_no_dialogue():
+    """A cache layer with a sliding window (Gemma 2, Mistral 7B v0.1, Qwen2 with use_sliding_window)
+    cannot take the laid-out prompt cache: sample_completions runs such a model's prompts whole, the
+    shared prefix and padding included, and samples what each prompt alone samples; its dialogues
+    keep nothing."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = models.make_tokenizer(list("abcdefgh"))
+    config = Qwen2Config(
+        **models.tiny_causal_lm(len(tok)).config.to_dict()
+        | dict(use_sliding_window=True, sliding_window=64, max_window_layers=0, layer_types=None)
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert not common.keeps_every_position(model)
+    prompts = ["h g h g a b c", "h g h g d", "h g h g d"]
+    dialogues = [{}, {}, {}]
+    drawn = common.sample_completions(
+        model, tok, prompts, 4, temperature=0.0, stop_at_eos=False, dialogues=dialogues
+    )
+    for prompt, (_, ids, _) in zip(prompts, drawn):
+        alone = tok([prompt], return_tensors="pt", add_special_tokens=False)
+        config = common.generation_config(model, tok, 4, 0.0, stop_at_eos=False)
+        assert ids == model.generate(**alone, generation_config=config)[0, -4:].tolist()
+    assert dialogues == [{}, {}, {}]
+
+
+def test_greedy_sampling_draws_nothing_with_row_seeds():
+    """T = 0 is greedy with or without `row_seeds`: the seeds seed draws, and greedy draws none."""
+    tok = models.make_tokenizer(list("abcdefgh"))
+    model = models.tiny_causal_lm(len(tok), seed=2).eval()
+    prompts = ["a b c", "d e", "f"]
+    kwargs = dict(temperature=0.0, stop_at_eos=False)
+    seeded = common.sample_completions(model, tok, prompts, 8, row_seeds=[1, 2, 3], **kwargs)
+    assert [ids for _, ids, _ in seeded] == [
+        ids for _, ids, _ in common.sample_completions(model, tok, prompts, 8, **kwargs)
+    ]
