@@ -1,5 +1,5 @@
 """One GRPO step of flowrl.py's own training loop vs TRL's `GRPOTrainer`, at equal shapes, and both
-against the step's floor.
+against a plain step.
 
     python -m venv .venv-bench && .venv-bench/bin/pip install -r benchmarks/requirements.txt
     .venv-bench/bin/python benchmarks/bench_vs_trl.py          # or: make bench-trl
@@ -9,10 +9,11 @@ Ours is `flowrl.train` itself (`--preset smollm2-addition --algo grpo`: 4 one-di
 update's own log-probs), timed by the per-phase seconds it logs in metrics.jsonl: rollout (the
 sampler with per-row seeds and log-probs), prepare (rewards, packing, advantages), update (forward,
 backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the
-kernels settle over more than one step: measured, an update of 20.6, 14.0, then 10.2 s). TRL gets
-the same model, tokenizer, four prompts, G, completion length, reward, learning rate and β = 0; its
-split comes from its own profiling contexts. The floor is `generate` alone plus one forward and
-backward and one AdamW step alone on the same batch: what any GRPO step must spend.
+kernels settle over more than one step). TRL gets the same model, tokenizer, four prompts, G,
+completion length, reward, learning rate and β = 0; its split comes from its own profiling
+contexts. The plain step is `generate` alone plus one forward and backward and one AdamW step alone
+on the same padded batch, every row computing its prompt: what a step costs when nothing shares
+a group's prompt (ours computes it once per group, in sampling and in the update).
 
 Model: the real SmolLM2-135M-Instruct (bundled), or any HF folder whose vocabulary covers the
 prompts (`python benchmarks/bench_vs_trl.py PATH`; the tests pass a tiny random one).
@@ -82,9 +83,10 @@ def ours(bench):
     return {name: sum(r[key] for r in timed) / len(timed) for name, key in phases.items()}
 
 
-def floor(bench):
+def plain_step(bench):
     """`generate` alone (no logits processor, no decoding) plus one forward and backward and one
-    AdamW step alone, on the same prompts and completion length: the least a GRPO step can cost."""
+    AdamW step alone, on the same prompts, padded, and completion length: a step that computes
+    each row's prompt itself."""
     args, tokenizer = bench["args"], bench["tokenizer"]
     _, model = models.load_causal_lm(args.model, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=args.weight_decay)
@@ -178,21 +180,21 @@ def trl(bench):
 
 
 def compare(bench, with_trl=True):
-    """Ours, the floor and (with_trl) TRL, as seconds per step and their ratios."""
-    mine, least = ours(bench), floor(bench)
+    """Ours, the plain step and (with_trl) TRL, as seconds per step and their ratios."""
+    mine, plain = ours(bench), plain_step(bench)
     total = lambda split: sum(split.values())
     result = {
         "samples_per_step": len(bench["prompts"]) * bench["args"].group_size,
         "ours_s": {k: round(v, 3) for k, v in mine.items()},
-        "floor_s": {k: round(v, 3) for k, v in least.items()},
-        "ours_over_floor": round(total(mine) / total(least), 3),
+        "plain_s": {k: round(v, 3) for k, v in plain.items()},
+        "ours_over_plain": round(total(mine) / total(plain), 3),
     }
     if with_trl:
         theirs = trl(bench)
         result |= {
             "trl_s": {k: round(v, 3) for k, v in theirs.items()},
             "trl_over_ours": round(total(theirs) / total(mine), 2),
-            "trl_over_floor": round(total(theirs) / total(least), 3),
+            "trl_over_plain": round(total(theirs) / total(plain), 3),
         }
     return result
 

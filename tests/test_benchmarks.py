@@ -126,9 +126,9 @@ def test_rollout_throughput_counts_the_generated_tokens(monkeypatch):
     assert rollouts_and_memory.generation_throughput(64, 2, new_tokens=4) == 4.0
 
 
-def test_trl_comparison_times_flowrls_own_loop_and_its_floor(tmp_path):
+def test_trl_comparison_times_flowrls_own_loop_and_a_plain_step(tmp_path):
     """A smoke test: bench_vs_trl's own side is flowrl.train's loop (its logged phase times) and the
-    floor (TRL's side needs .venv-bench): every phase is timed."""
+    plain step (TRL's side needs .venv-bench): every phase is timed."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_vs_trl
 
@@ -138,8 +138,8 @@ def test_trl_comparison_times_flowrls_own_loop_and_its_floor(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     result = bench_vs_trl.compare(bench_vs_trl.case(str(tmp_path), steps=1), with_trl=False)
     assert set(result["ours_s"]) == {"generation", "scoring", "update"}
-    assert all(math.isfinite(t) for t in [*result["ours_s"].values(), *result["floor_s"].values()])
-    assert set(result["floor_s"]) == {"generate", "forward_backward_adamw"}
+    assert all(math.isfinite(t) for t in [*result["ours_s"].values(), *result["plain_s"].values()])
+    assert set(result["plain_s"]) == {"generate", "forward_backward_adamw"}
 
 
 def test_laptop_bench_counts_each_shared_prefix_once_as_needed(tmp_path):
