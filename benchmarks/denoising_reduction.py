@@ -10,6 +10,7 @@ the split times the script's own `rollout` (SDE rollouts only) and `score` (trai
 functions, and the update is the rest of the epoch. The first epoch is a warm-up and is left out.
 """
 
+import inspect
 import json
 import sys
 import tempfile
@@ -21,22 +22,30 @@ import flow_grpo  # noqa: E402
 from utils import cli  # noqa: E402
 
 
-def timed(fn, log, keep=lambda *args: True):
+def timed(fn, log, keep=lambda arguments: True):
+    """`fn`, appending each call's seconds to `log` where `keep` takes its arguments (by name,
+    however the caller passed them)."""
+    signature = inspect.signature(fn)
+
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        if keep(*args):
+        if keep(signature.bind(*args, **kwargs).arguments):
             log.append(time.perf_counter() - start)
         return out
 
     return wrapper
 
 
+def is_sde(arguments):
+    """A training rollout (SDE steps), not the evaluation's ODE."""
+    return arguments["noise_level"] > 0
+
+
 def epoch_costs(train_steps, epochs=20):
     rollouts, rewards = [], []
     original = flow_grpo.rollout, flow_grpo.score
-    # SDE, not the eval ODE
-    flow_grpo.rollout = timed(flow_grpo.rollout, rollouts, keep=lambda *args: args[6] > 0)
+    flow_grpo.rollout = timed(flow_grpo.rollout, rollouts, keep=is_sde)
     flow_grpo.score = timed(flow_grpo.score, rewards)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -116,6 +116,25 @@ def test_gpu_check_plans_every_full_scale_llm_preset_within_one_h200():
     assert len(totals) == 4 and all(0 < total < 141e9 / 2**30 for total in totals), plans
 
 
+def test_denoising_bench_times_the_sde_rollouts_as_flow_grpo_calls_them():
+    """benchmarks/denoising_reduction.py wraps flow_grpo.rollout and keeps the seconds of the SDE
+    rollouts only: called as flow_grpo calls it (its later arguments by keyword), an ODE rollout is
+    not logged and an SDE one is."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import denoising_reduction
+    import flow_grpo
+
+    log = []
+    rollout = denoising_reduction.timed(flow_grpo.rollout, log, keep=denoising_reduction.is_sde)
+    velocity = lambda x, sigma, cond: -x
+    noise, sigmas = torch.randn(2, 3), torch.linspace(1.0, 0.0, 4)
+    for noise_level in (0.0, 0.7):
+        rollout(
+            velocity, noise, sigmas, cond=None, empty=None, guidance=1.0, noise_level=noise_level
+        )
+    assert len(log) == 1
+
+
 def test_rollout_throughput_counts_the_generated_tokens(monkeypatch):
     """2 prompts × 4 new tokens (no EOS stop) over a clock that reads 10 s then 12 s: 4 tokens/s."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
