@@ -252,12 +252,14 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     or (n, each layer's (keys, values) of at least n positions), a dialogue's previous step)
     runs only its tokens after them, on their cache (kept off the accelerator: moved here for the
     call), one forward per such prompt. A row is laid out as that prefix, left padding, then the
-    rest of its prompt; `generate` runs only each row's last prompt token (the cache is None when
-    every prompt is one token, and for a model with a sliding window: `generate` runs them
-    whole)."""
+    rest of its prompt; `generate` runs only each row's last prompt token. The cache is None, and
+    `generate` runs the prompts whole, when every prompt is one token, and for a model whose cache
+    drops positions (a sliding window): its rows are only left-padded, so a window covers what it
+    covers for the prompt alone."""
     from transformers import DynamicCache
 
-    shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
+    whole = not keeps_every_position(model)
+    shared = shared_prefix_length(prompts) if len(prompts) > 1 and not whole else 0
     shared = shared if shared >= SHARED_PREFIX_MIN else 0
     own = {i: past for i, past in enumerate(pasts or []) if past and past[0] > shared}
     fresh = [i for i in range(len(prompts)) if i not in own]
@@ -266,7 +268,7 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     ids = [prompts[0][:shared] + [pad_id] * (width - len(r)) + r for r in rest]
     attn = [[1] * shared + [0] * (width - len(r)) + [1] * len(r) for r in rest]
     ids, attn = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
-    if shared + width < 2 or not keeps_every_position(model):
+    if shared + width < 2 or whole:
         return ids[prompt_of], attn[prompt_of], None
     prefix = None
     if shared and fresh:
@@ -320,8 +322,9 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
 
 
 def keeps_every_position(model):
-    """Whether every layer of the model's cache holds every position (no sliding window), as the
-    caches `prompt_cache` lays out and a dialogue keeps need."""
+    """Whether every layer of the model's cache is a plain one that holds every position (no
+    sliding window, chunked or linear attention), as the caches `prompt_cache` lays out and a
+    dialogue keeps need."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 

@@ -9,7 +9,7 @@ Ours is `flowrl.train` itself (`--preset smollm2-addition --algo grpo`: 4 one-di
 update's own log-probs), timed by the per-phase seconds it logs in metrics.jsonl: rollout (the
 sampler with per-row seeds and log-probs), prepare (rewards, packing, advantages), update (forward,
 backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the
-kernels settle over more than one step). TRL gets the same model, tokenizer, four prompts, G,
+kernels warm up). TRL gets the same model, tokenizer, four prompts, G,
 completion length, reward, learning rate and β = 0; its split comes from its own profiling
 contexts. The plain step is `generate` alone plus one forward and backward and one AdamW step alone
 on the same padded batch, every row computing its prompt: what a step costs when nothing shares

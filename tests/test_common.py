@@ -522,28 +522,33 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
 
 def test_a_model_with_a_sliding_window_runs_its_prompts_whole_and_keeps_no_dialogue():
     """A cache layer with a sliding window (Gemma 2, Mistral 7B v0.1, Qwen2 with use_sliding_window)
-    cannot take the laid-out prompt cache: sample_completions runs such a model's prompts whole, the
-    shared prefix and padding included, and samples what each prompt alone samples; its dialogues
-    keep nothing."""
+    cannot take the laid-out prompt cache: sample_completions runs such a model's prompts whole,
+    left-padded (a shared prefix laid out first would put padding inside a row's window), and draws
+    what each prompt alone draws, with the same log-probs, over a window shorter than the rows;
+    its dialogues keep nothing."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     tok = models.make_tokenizer(list("abcdefgh"))
     config = Qwen2Config(
         **models.tiny_causal_lm(len(tok)).config.to_dict()
-        | dict(use_sliding_window=True, sliding_window=64, max_window_layers=0, layer_types=None)
+        | dict(use_sliding_window=True, sliding_window=6, max_window_layers=0, layer_types=None)
     )
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config).eval()
     assert not common.keeps_every_position(model)
-    prompts = ["h g h g a b c", "h g h g d", "h g h g d"]
+    system = "h g h g h g h g h g "  # past SHARED_PREFIX_MIN tokens
+    prompts = [system + "a b c", system + "d", system + "d e"]
     dialogues = [{}, {}, {}]
+    kwargs = dict(temperature=1.0, stop_at_eos=False)
     drawn = common.sample_completions(
-        model, tok, prompts, 4, temperature=0.0, stop_at_eos=False, dialogues=dialogues
+        model, tok, prompts, 4, row_seeds=[1, 2, 3], dialogues=dialogues, **kwargs
     )
-    for prompt, (_, ids, _) in zip(prompts, drawn):
-        alone = tok([prompt], return_tensors="pt", add_special_tokens=False)
-        config = common.generation_config(model, tok, 4, 0.0, stop_at_eos=False)
-        assert ids == model.generate(**alone, generation_config=config)[0, -4:].tolist()
+    for seed, prompt, (_, ids, logp) in zip([1, 2, 3], prompts, drawn):
+        [(_, alone_ids, alone_logp)] = common.sample_completions(
+            model, tok, [prompt], 4, row_seeds=[seed], **kwargs
+        )
+        assert ids == alone_ids
+        torch.testing.assert_close(logp, alone_logp, atol=1e-5, rtol=0)
     assert dialogues == [{}, {}, {}]
 
 
