@@ -124,7 +124,15 @@ def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
     at its depth's position, so every row sees exactly its own prompt and completion, and each
     shared prefix is computed once — the loss and gradient of packing every row whole, up to float
     rounding (a test). A completion token is scored by its predecessor's logits, which are the
-    only ones built."""
+    only ones built. The tree's mask has no sliding window: a row longer than the model's window
+    is refused with one line, not scored past it."""
+    window = None if keeps_every_position(model) else model.config.sliding_window
+    if window and int(mb.positions.max()) >= window:
+        raise SystemExit(
+            f"error: a row of {int(mb.positions.max()) + 1} tokens is longer than the model's "
+            f"sliding window ({window}), which the prefix-tree forward does not apply; use a "
+            "model without one, or shorter prompts and completions"
+        )
     node = torch.arange(mb.tokens, device=mb.ids.device)
     allowed = (node[None, :] <= node[:, None]) & (node[:, None] < mb.ends[None, :])  # (N, N)
     allowed = allowed[None, None]  # [i, j]: j is i or one of its ancestors

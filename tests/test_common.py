@@ -562,3 +562,33 @@ def test_greedy_sampling_draws_nothing_with_row_seeds():
     assert [ids for _, ids, _ in seeded] == [
         ids for _, ids, _ in common.sample_completions(model, tok, prompts, 8, **kwargs)
     ]
+
+
+def test_the_tree_forward_refuses_a_row_longer_than_a_sliding_window():
+    """The prefix tree's mask lets a token see every ancestor: within a model's sliding window that
+    is what the model computes (the log-probs of packing each row whole), past it the row is
+    refused with one line rather than scored past the window."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = models.make_tokenizer(list("abcdefgh"))
+    config = Qwen2Config(
+        **models.tiny_causal_lm(len(tok)).config.to_dict()
+        | dict(use_sliding_window=True, sliding_window=6, max_window_layers=0, layer_types=None)
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    scoring = common.Scoring(tok, 1000, model.device)
+    b = tok(["b"], add_special_tokens=False)["input_ids"][0]
+
+    def tree_and_whole(prompts):
+        [mb] = common.scored_micro_batches(
+            prompts, [b + b] * len(prompts), sampler_logps=None, scoring=scoring
+        )
+        ids, attn, mask = common.pack_completions(tok, prompts, [b + b] * len(prompts), "cpu")
+        with torch.no_grad():
+            whole = common.completion_logprobs(model, ids, attn, mask.shape[1])
+            return common.micro_batch_logprobs(model, mb), whole
+
+    torch.testing.assert_close(*tree_and_whole(["h g a", "h g d"]), atol=1e-5, rtol=0)  # 5 tokens
+    with pytest.raises(SystemExit, match="longer than the model's sliding window"):
+        tree_and_whole(["h g a b c d", "h g d"])  # 8 tokens
