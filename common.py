@@ -124,14 +124,18 @@ def micro_batch_forward(model, mb, temperature=1.0, prompt_states=False):
     at its depth's position, so every row sees exactly its own prompt and completion, and each
     shared prefix is computed once — the loss and gradient of packing every row whole, up to float
     rounding (a test). A completion token is scored by its predecessor's logits, which are the
-    only ones built. The tree's mask has no sliding window: a row longer than the model's window
-    is refused with one line, not scored past it."""
-    window = None if keeps_every_position(model) else model.config.sliding_window
-    if window and int(mb.positions.max()) >= window:
+    only ones built. The tree's mask is all a layer sees: a model whose attention is not over every
+    earlier token (a row longer than its sliding window; chunked or linear attention) is refused
+    with one line, not scored as it never computes."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    kinds, longest = cache_layer_kinds(model), int(mb.positions.max()) + 1
+    window = model.config.sliding_window if DynamicSlidingWindowLayer in kinds else None
+    if kinds - {DynamicLayer, DynamicSlidingWindowLayer} or (window and longest > window):
         raise SystemExit(
-            f"error: a row of {int(mb.positions.max()) + 1} tokens is longer than the model's "
-            f"sliding window ({window}), which the prefix-tree forward does not apply; use a "
-            "model without one, or shorter prompts and completions"
+            f"error: a row of {longest} tokens needs attention over every earlier token, which "
+            f"this model's does not give (its cache: {sorted(k.__name__ for k in kinds)}, sliding "
+            f"window {window}); the prefix-tree forward needs full attention or rows in the window"
         )
     node = torch.arange(mb.tokens, device=mb.ids.device)
     allowed = (node[None, :] <= node[:, None]) & (node[:, None] < mb.ends[None, :])  # (N, N)
@@ -329,14 +333,20 @@ def prompt_cache(model, prompts, pad_id, prompt_of, pasts=None):
     return ids[prompt_of], attn[prompt_of], cache
 
 
-def keeps_every_position(model):
-    """Whether every layer of the model's cache is a plain one that holds every position (no
-    sliding window, chunked or linear attention), as the caches `prompt_cache` lays out and a
-    dialogue keeps need."""
+def cache_layer_kinds(model):
+    """The classes of the model's cache layers: DynamicLayer keeps every position,
+    DynamicSlidingWindowLayer a window, any other (chunked, indexed, linear attention) neither."""
     from transformers import DynamicCache
+
+    return {type(layer) for layer in DynamicCache(config=model.config).layers}
+
+
+def keeps_every_position(model):
+    """Whether every layer of the model's cache holds every position, as the caches
+    `prompt_cache` lays out and a dialogue keeps need."""
     from transformers.cache_utils import DynamicLayer
 
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+    return cache_layer_kinds(model) == {DynamicLayer}
 
 
 @torch.no_grad()

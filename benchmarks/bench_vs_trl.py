@@ -8,12 +8,12 @@ Ours is `flowrl.train` itself (`--preset smollm2-addition --algo grpo`: 4 one-di
 × G 8 through the chat template, 12 new tokens, one optimiser step per batch, so π_old is the
 update's own log-probs), timed by the per-phase seconds it logs in metrics.jsonl: rollout (the
 sampler with per-row seeds and log-probs), prepare (rewards, packing, advantages), update (forward,
-backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the
-kernels warm up). TRL gets the same model, tokenizer, four prompts, G,
-completion length, reward, learning rate and β = 0; its split comes from its own profiling
-contexts. The plain step is `generate` alone plus one forward and backward and one AdamW step alone
-on the same padded batch, every row computing its prompt: what a step costs when nothing shares
-a group's prompt (ours computes it once per group, in sampling and in the update).
+backward, AdamW). On every side the first WARMUP steps are not timed (the allocator and the kernels
+warm up). TRL gets the same model, tokenizer, four prompts, G, completion length, reward, learning
+rate and β = 0; its split comes from its own profiling contexts. The plain step is `generate` alone
+plus one forward and backward and one AdamW step alone on the same padded batch, every row computing
+its prompt: what a step costs when nothing shares a group's prompt (ours computes it once per group,
+in sampling and in the update).
 
 Model: the real SmolLM2-135M-Instruct (bundled), or any HF folder whose vocabulary covers the
 prompts (`python benchmarks/bench_vs_trl.py PATH`; the tests pass a tiny random one).

@@ -520,21 +520,28 @@ def test_a_dialogues_next_step_computes_only_its_new_tokens_and_samples_as_befor
     assert [len(d.get("ids", [])) for d in kept] == [len(encode(nxt[:1])[0]) + 4, 0, 0, 0]
 
 
+def tiny_sliding_window_model(window):
+    """A tiny random Qwen2 whose every layer attends over the last `window` tokens only."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = models.make_tokenizer(list("abcdefgh"))
+    config = Qwen2Config(
+        **models.tiny_causal_lm(len(tok)).config.to_dict()
+        | dict(
+            use_sliding_window=True, sliding_window=window, max_window_layers=0, layer_types=None
+        )
+    )
+    torch.manual_seed(1)
+    return tok, AutoModelForCausalLM.from_config(config).eval()
+
+
 def test_a_model_with_a_sliding_window_runs_its_prompts_whole_and_keeps_no_dialogue():
     """A cache layer with a sliding window (Gemma 2, Mistral 7B v0.1, Qwen2 with use_sliding_window)
     cannot take the laid-out prompt cache: sample_completions runs such a model's prompts whole,
     left-padded (a shared prefix laid out first would put padding inside a row's window), and draws
     what each prompt alone draws, with the same log-probs, over a window shorter than the rows;
     its dialogues keep nothing."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    tok = models.make_tokenizer(list("abcdefgh"))
-    config = Qwen2Config(
-        **models.tiny_causal_lm(len(tok)).config.to_dict()
-        | dict(use_sliding_window=True, sliding_window=6, max_window_layers=0, layer_types=None)
-    )
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    tok, model = tiny_sliding_window_model(window=6)
     assert not common.keeps_every_position(model)
     system = "h g h g h g h g h g "  # past SHARED_PREFIX_MIN tokens
     prompts = [system + "a b c", system + "d", system + "d e"]
@@ -564,19 +571,13 @@ def test_greedy_sampling_draws_nothing_with_row_seeds():
     ]
 
 
-def test_the_tree_forward_refuses_a_row_longer_than_a_sliding_window():
+def test_the_tree_forward_refuses_attention_it_does_not_compute(monkeypatch):
     """The prefix tree's mask lets a token see every ancestor: within a model's sliding window that
-    is what the model computes (the log-probs of packing each row whole), past it the row is
-    refused with one line rather than scored past the window."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    is what the model computes (the log-probs of packing each row whole); a row past the window,
+    or a cache layer of another kind, is refused with one line rather than scored wrongly."""
+    from transformers.cache_utils import DynamicLayer
 
-    tok = models.make_tokenizer(list("abcdefgh"))
-    config = Qwen2Config(
-        **models.tiny_causal_lm(len(tok)).config.to_dict()
-        | dict(use_sliding_window=True, sliding_window=6, max_window_layers=0, layer_types=None)
-    )
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    tok, model = tiny_sliding_window_model(window=6)
     scoring = common.Scoring(tok, 1000, model.device)
     b = tok(["b"], add_special_tokens=False)["input_ids"][0]
 
@@ -590,5 +591,9 @@ def test_the_tree_forward_refuses_a_row_longer_than_a_sliding_window():
             return common.micro_batch_logprobs(model, mb), whole
 
     torch.testing.assert_close(*tree_and_whole(["h g a", "h g d"]), atol=1e-5, rtol=0)  # 5 tokens
-    with pytest.raises(SystemExit, match="longer than the model's sliding window"):
-        tree_and_whole(["h g a b c d", "h g d"])  # 8 tokens
+    with pytest.raises(SystemExit, match="a row of 8 tokens needs attention over every earlier"):
+        tree_and_whole(["h g a b c d", "h g d"])
+    # a cache layer of another kind (chunked, linear attention): refused however short the rows
+    monkeypatch.setattr(common, "cache_layer_kinds", lambda model: {DynamicLayer, object})
+    with pytest.raises(SystemExit, match="a row of 5 tokens needs attention over every earlier"):
+        tree_and_whole(["h g a", "h g d"])
